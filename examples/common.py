@@ -1,0 +1,117 @@
+"""Data and command-line helpers shared by the examples.
+
+Every example trains on scikit-learn's bundled 8x8 handwritten digits, so nothing is downloaded
+and a CPU run takes seconds. The split, the shuffling and the model initialisation are all driven
+by one seed, so two runs with the same arguments print the same numbers.
+"""
+import argparse
+import random
+
+import numpy as np
+import torch
+
+OPT_LEVELS = ("O0", "O1", "O2", "O3", "O4", "O5")
+
+
+def load_digits_split(seed, test_fraction=0.2, value_range=(0.0, 1.0)):
+    """Return ``x_train, y_train, x_test, y_test`` as CPU tensors.
+
+    Images are float32 of shape (N, 1, 8, 8) scaled to ``value_range`` (the raw pixels are 0..16);
+    labels are int64. The split is stratified and fixed by ``seed``.
+    """
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    digits = load_digits()
+    low, high = value_range
+    images = digits.images.astype(np.float32) / 16.0 * (high - low) + low
+    x_train, x_test, y_train, y_test = train_test_split(
+        images, digits.target, test_size=test_fraction, random_state=seed, stratify=digits.target)
+
+    def to_tensors(x, y):
+        return torch.from_numpy(x).unsqueeze(1), torch.from_numpy(y).long()
+
+    return (*to_tensors(x_train, y_train), *to_tensors(x_test, y_test))
+
+
+def batches(x, y, batch_size, generator):
+    """Yield shuffled ``(x, y)`` mini-batches; the last, smaller batch is dropped so every step
+    sees the same batch size."""
+    order = torch.randperm(len(x), generator=generator)
+    for start in range(0, len(x) - batch_size + 1, batch_size):
+        index = order[start:start + batch_size]
+        yield x[index], y[index]
+
+
+def seed_everything(seed):
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def positive_int(text):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def positive_float(text):
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive finite number, got {text}")
+    return value
+
+
+def device_arg(text):
+    """An argparse type: a torch device that exists on this machine."""
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a device; use 'cpu', 'cuda' or 'cuda:N'") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(
+            f"{text!r} was asked for but this PyTorch sees no CUDA GPU; use --device cpu")
+    if device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"device type {device.type!r} is not supported here; "
+                                         "use 'cpu' or 'cuda'")
+    return device
+
+
+def default_device():
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def add_common_args(parser, default_opt_level):
+    """The options every example shares: precision preset, device, seed and smoke mode."""
+    parser.add_argument("--opt-level", choices=OPT_LEVELS, default=default_opt_level,
+                        help="amp preset: O0 fp32, O1 fp16 casts, O2 fp16 model with fp32 masters, "
+                             "O3 pure fp16, O4/O5 the bfloat16 versions of O1/O2 "
+                             f"(default {default_opt_level})")
+    parser.add_argument("--device", type=device_arg, default=default_device(),
+                        help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
+    parser.add_argument("--seed", type=int, default=0, help="seed for the split, init and order")
+    parser.add_argument("--smoke", action="store_true",
+                        help="a few steps only; exit with status 1 unless the loss fell")
+
+
+def window_mean(values, first):
+    """Mean of the first (or last) tenth of ``values``, at least one element: a less noisy
+    "first loss" / "last loss" than single mini-batches."""
+    width = max(1, len(values) // 10)
+    chunk = values[:width] if first else values[-width:]
+    return sum(chunk) / len(chunk)
+
+
+def report_loss_trend(name, losses):
+    """Print ``<name> first loss X last loss Y`` and return whether the loss fell."""
+    first, last = window_mean(losses, first=True), window_mean(losses, first=False)
+    print(f"{name} first loss {first:.4f} last loss {last:.4f}")
+    return last < first

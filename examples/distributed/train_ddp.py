@@ -1,0 +1,127 @@
+"""DistributedDataParallel with amp: each process trains on its shard of the digits.
+
+    torchrun --nproc_per_node=2 examples/distributed/train_ddp.py              # gloo on CPU
+    torchrun --nproc_per_node=2 examples/distributed/train_ddp.py --opt-level O1
+
+The amp lines are the same as in a single-process script. The one rule is the order: wrap the
+model in DistributedDataParallel AFTER amp.initialize, so that DDP sees (and all-reduces the
+gradients of) the parameters amp has already cast. All ranks then see the same all-reduced
+gradients, find the same overflows and skip the same steps, so their weights stay identical; the
+script checks that at the end.
+"""
+import argparse
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import amp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import common  # noqa: E402  (examples/common.py, found through the line above)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    common.add_common_args(parser, default_opt_level="O2")
+    parser.add_argument("--epochs", type=common.positive_int, default=10)
+    parser.add_argument("--batch-size", type=common.positive_int, default=32, help="per process")
+    parser.add_argument("--lr", type=common.positive_float, default=0.05)
+    args = parser.parse_args(argv)
+    if "RANK" not in os.environ:
+        parser.error("launch me with torchrun, e.g. "
+                     "torchrun --nproc_per_node=2 examples/distributed/train_ddp.py")
+    return args
+
+
+def build_model():
+    return nn.Sequential(
+        nn.Flatten(), nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64), nn.ReLU(), nn.Linear(64, 10))
+
+
+def ranks_agree(tensors):
+    """True when every rank holds bitwise the same values as rank 0 (checked on every rank)."""
+    mismatch = torch.zeros(1, device=tensors[0].device)
+    for tensor in tensors:
+        reference = tensor.detach().clone()
+        dist.broadcast(reference, src=0)
+        if not torch.equal(reference, tensor.detach()):
+            mismatch += 1
+    dist.all_reduce(mismatch)  # SUM: any rank that differs makes it non-zero everywhere
+    return mismatch.item() == 0
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if args.device.type == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+    dist.init_process_group(backend)
+
+    common.seed_everything(args.seed)  # same init everywhere (DDP would broadcast rank 0's anyway)
+    x_train, y_train, x_test, y_test = common.load_digits_split(args.seed)
+    # Each rank takes every world_size-th sample: disjoint shards of the same split.
+    x_train, y_train = x_train[rank::world_size].to(device), y_train[rank::world_size].to(device)
+
+    model = build_model().to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    model, optimizer = amp.initialize(model, optimizer, opt_level=args.opt_level, verbosity=0)
+    model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
+
+    steps_per_epoch = len(x_train) // args.batch_size
+    total_steps = min(20, steps_per_epoch * args.epochs) if args.smoke else steps_per_epoch * args.epochs
+    # Seeded per rank: different shuffles, but every rank takes the same number of steps.
+    order = torch.Generator().manual_seed(args.seed + rank)
+    losses = []
+    while len(losses) < total_steps:
+        for inputs, targets in common.batches(x_train, y_train, args.batch_size, order):
+            loss = F.cross_entropy(model(inputs), targets)
+            optimizer.zero_grad()
+            with amp.scale_loss(loss, optimizer) as scaled_loss:
+                scaled_loss.backward()  # DDP all-reduces the (scaled) gradients in here
+            optimizer.step()
+
+            mean_loss = loss.detach().float().clone()
+            dist.all_reduce(mean_loss)
+            losses.append(mean_loss.item() / world_size)
+            if rank == 0 and (len(losses) % 50 == 0 or len(losses) == total_steps):
+                scale = amp._amp_state.loss_scalers[0].loss_scale()
+                print(f"[{len(losses)}/{total_steps}] mean loss {losses[-1]:.4f} loss scale {scale:g}")
+            if len(losses) == total_steps:
+                break
+
+    # Parameters, the fp32 master copies the optimizer updates, and buffers must all agree.
+    tensors = list(model.parameters()) + list(amp.master_params(optimizer)) + list(model.buffers())
+    identical = ranks_agree(tensors)
+    if rank == 0:
+        model.eval()
+        with torch.no_grad():
+            predictions = model.module(x_test.to(device)).argmax(dim=1).cpu()
+        accuracy = 100.0 * (predictions == y_test).float().mean().item()
+        fell = common.report_loss_trend(f"{args.opt_level} {backend} x{world_size}", losses)
+        print(f"test accuracy {accuracy:.2f}%; parameters identical on all {world_size} ranks: "
+              f"{identical}")
+    else:
+        fell = common.window_mean(losses, False) < common.window_mean(losses, True)
+    dist.destroy_process_group()
+    if not identical:
+        return 1
+    if args.smoke and not fell:
+        if rank == 0:
+            print("smoke run failed: the training loss did not fall", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

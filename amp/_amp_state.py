@@ -15,6 +15,7 @@ class AmpState:
         self.handle = None
         self.min_loss_scale = None
         self.max_loss_scale = 2.0**24
+        self.overflow_process_group = None
 
 
 _amp_state = AmpState()

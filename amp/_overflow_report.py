@@ -1,0 +1,70 @@
+"""Skipped-step reporting: one rate-limited reporter, and the error for overflow that never ends.
+
+Apex printed one line per skipped step from deep inside the optimizer patch; a run that overflows
+on every step then filled the log and halved the scale forever. Here every skip is counted, the
+first few are printed, later ones only as periodic summaries, and a streak longer than
+``max_consecutive_skips`` raises :class:`NonFiniteGradientsError` naming the culprits.
+"""
+import torch
+
+from ._amp_state import maybe_print
+
+__all__ = ["NonFiniteGradientsError", "OverflowReporter"]
+
+# Print the first few skips verbatim (they are normal while a dynamic scale settles), then one
+# summary line every SUMMARY_EVERY skips.
+VERBATIM_SKIPS = 8
+SUMMARY_EVERY = 100
+# How many parameter names an error lists before it says "and N more".
+NAMES_SHOWN = 5
+
+
+class NonFiniteGradientsError(RuntimeError):
+    """Raised when the gradients stayed non-finite for too many consecutive steps."""
+
+
+class OverflowReporter:
+    """Decides, from one optimizer's skip counters, what to print and when to raise."""
+
+    def __init__(self, max_consecutive_skips):
+        self.max_consecutive_skips = max_consecutive_skips
+        self.reported_skips = 0
+
+    def report(self, total_skips, consecutive_skips, describe_skip, find_culprits):
+        """Report skips up to ``total_skips``; the callables run only when their text is needed."""
+        if self.max_consecutive_skips and consecutive_skips > self.max_consecutive_skips:
+            raise NonFiniteGradientsError(self._streak_message(consecutive_skips, find_culprits()))
+        previous, self.reported_skips = self.reported_skips, total_skips
+        if total_skips <= previous:
+            return
+        if previous < VERBATIM_SKIPS:
+            maybe_print(describe_skip(), rank0=True)
+            if total_skips >= VERBATIM_SKIPS:
+                maybe_print(
+                    f"Gradient overflow: {total_skips} steps skipped so far; further skips are "
+                    f"summarised every {SUMMARY_EVERY} skipped steps.", rank0=True)
+        elif total_skips // SUMMARY_EVERY > previous // SUMMARY_EVERY:
+            maybe_print(f"Gradient overflow: {total_skips} steps skipped so far. {describe_skip()}",
+                        rank0=True)
+
+    def _streak_message(self, consecutive_skips, culprits):
+        names = ", ".join(culprits[:NAMES_SHOWN])
+        if len(culprits) > NAMES_SHOWN:
+            names += f" and {len(culprits) - NAMES_SHOWN} more"
+        where = (f"The first parameters whose gradients were not finite: {names}."
+                 if culprits else "No parameter gradient was non-finite at the last check.")
+        return (
+            f"The gradients were non-finite for {consecutive_skips} consecutive steps "
+            f"(limit max_consecutive_skips={self.max_consecutive_skips}), so every step was skipped "
+            f"and the loss scale kept shrinking. {where} This usually means a NaN or inf in the "
+            "forward pass or in the loss itself (check the inputs, a log/sqrt/division of zero, an "
+            "exploding learning rate), not a loss scale that is too large. Raise "
+            "max_consecutive_skips in amp.initialize (or set it to 0 to disable this check) if the "
+            "run really needs more skipped steps."
+        )
+
+
+def non_finite_grad_names(named_tensors):
+    """Names, in order, of the tensors in ``(name, tensor)`` pairs whose ``.grad`` is not finite."""
+    return [name for name, t in named_tensors
+            if t.grad is not None and not bool(torch.isfinite(t.grad).all())]

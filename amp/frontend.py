@@ -1,0 +1,270 @@
+"""``amp.initialize``: opt-level presets, the ``Properties`` that validate overrides, and amp's state dict.
+
+The opt-level table below is the single source of truth for what each preset means.
+"""
+import copy
+from collections import OrderedDict
+
+import torch
+
+from ._amp_state import _amp_state, maybe_print, warn_or_err
+from ._initialize import _initialize
+
+__all__ = ["initialize", "state_dict", "load_state_dict", "master_params", "last_step_applied",
+           "skipped_steps", "Properties"]
+
+LOW_PRECISION_OPT_LEVELS = {"O1": torch.float16, "O4": torch.bfloat16}
+
+# opt level -> (brief, options). Every preset also sets enabled=True and opt_level.
+OPT_LEVELS = {
+    "O0": ("Pure FP32 training.", dict(
+        cast_model_type=torch.float32, patch_torch_functions=False, keep_batchnorm_fp32=None,
+        master_weights=False, loss_scale=1.0)),
+    "O1": ("Insert automatic casts around PyTorch functions and Tensor methods (FP16).", dict(
+        cast_model_type=None, patch_torch_functions=True, keep_batchnorm_fp32=None,
+        master_weights=None, loss_scale="dynamic")),
+    "O2": ("FP16 training with FP32 batchnorm and FP32 master weights.", dict(
+        cast_model_type=torch.float16, patch_torch_functions=False, keep_batchnorm_fp32=True,
+        master_weights=True, loss_scale="dynamic")),
+    "O3": ("Pure FP16 training.", dict(
+        cast_model_type=torch.float16, patch_torch_functions=False, keep_batchnorm_fp32=False,
+        master_weights=False, loss_scale=1.0)),
+    "O4": ("Insert automatic casts around PyTorch functions and Tensor methods (BF16).", dict(
+        cast_model_type=None, patch_torch_functions=True, keep_batchnorm_fp32=None,
+        master_weights=None, loss_scale=1.0)),
+    "O5": ("BF16 training with FP32 batchnorm and FP32 master weights.", dict(
+        cast_model_type=torch.bfloat16, patch_torch_functions=False, keep_batchnorm_fp32=True,
+        master_weights=True, loss_scale=1.0)),
+}
+
+
+class Properties:
+    """The options of the current opt level; assigning an option validates it against the level."""
+
+    def __init__(self):
+        self.options = {
+            "enabled": False,
+            "opt_level": None,
+            "cast_model_type": None,
+            "patch_torch_functions": False,
+            "keep_batchnorm_fp32": None,
+            "master_weights": None,
+            "loss_scale": 1.0,
+        }
+
+    def __getattr__(self, name):
+        options = self.__dict__.get("options", {})
+        if name in options:
+            return options[name]
+        raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+
+    @property
+    def patch_torch_functions_type(self):
+        """The low-precision dtype O1/O4 casts to, or None when functions are not patched."""
+        return LOW_PRECISION_OPT_LEVELS.get(self.opt_level) if self.patch_torch_functions else None
+
+    def __setattr__(self, name, value):
+        if "options" not in self.__dict__:
+            super().__setattr__(name, value)
+            return
+        if name not in self.options:
+            raise AttributeError(f"'{type(self).__name__}' has no option '{name}'")
+        patching_level = self.opt_level in LOW_PRECISION_OPT_LEVELS
+        if name == "cast_model_type":
+            if patching_level and value not in (None, False, torch.float32):
+                warn_or_err(f"{self.opt_level} inserts casts around Torch functions rather than "
+                            f"casting model weights, so with {self.opt_level} cast_model_type should "
+                            "be None (or torch.float32); use O2/O5 to cast the model.")
+            if value not in (None, False) and not isinstance(value, torch.dtype):
+                raise TypeError(f"cast_model_type must be a torch.dtype, None or False, got {value!r}.")
+        elif name == "patch_torch_functions":
+            if value and not patching_level:
+                warn_or_err("Currently, patch_torch_functions=True should only be set by selecting "
+                            "opt_level='O1' (or 'O4' for bfloat16).")
+            value = bool(value)
+        elif name == "keep_batchnorm_fp32":
+            if patching_level and value is not None:
+                warn_or_err(f"With opt_level {self.opt_level}, batchnorm functions are automatically "
+                            "patched to run in FP32, so keep_batchnorm_fp32 should be None.")
+            if value in ("True", "False"):
+                value = value == "True"
+            if value not in (True, False, None):
+                raise ValueError("keep_batchnorm_fp32 must be True, False, None, 'True' or 'False', "
+                                 f"got {value!r}.")
+        elif name == "master_weights":
+            if patching_level and value is not None:
+                warn_or_err(f"It doesn't make sense to use master_weights with {self.opt_level}: with "
+                            f"{self.opt_level} your model weights themselves should be FP32.")
+        elif name == "loss_scale":
+            if value != "dynamic":
+                try:
+                    value = float(value)
+                except (TypeError, ValueError):
+                    raise ValueError(f"loss_scale must be 'dynamic' or a positive number, got {value!r}.")
+                if not value > 0 or value == float("inf"):
+                    raise ValueError(f"loss_scale must be a positive finite number, got {value!r}.")
+        self.options[name] = value
+
+
+def _print_options(properties):
+    for key, value in properties.options.items():
+        maybe_print(f"{key:22} : {value}", rank0=True)
+
+
+def _check_positive_int(name, value):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+
+
+def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model_type=None,
+               patch_torch_functions=None, keep_batchnorm_fp32=None, master_weights=None,
+               loss_scale=None, cast_model_outputs=None, num_losses=1, verbosity=1,
+               min_loss_scale=None, max_loss_scale=2.0**24, *, growth_factor=2.0,
+               backoff_factor=None, growth_interval=2000, hysteresis=1,
+               max_consecutive_skips=50, overflow_process_group=None):
+    """Prepare models and optimizers for mixed-precision training at the chosen ``opt_level``.
+
+    Usage (Apex's three lines)::
+
+        model, optimizer = amp.initialize(model, optimizer, opt_level="O2")
+        with amp.scale_loss(loss, optimizer) as scaled_loss:
+            scaled_loss.backward()
+        optimizer.step()
+
+    Opt levels: O0 (fp32), O1 (patched functions, fp16, dynamic scale), O2 (fp16 model, fp32
+    batchnorm and master weights, dynamic scale), O3 (pure fp16), O4 (O1 with bfloat16, scale 1),
+    O5 (O2 with bfloat16, scale 1). ``cast_model_type``, ``patch_torch_functions``,
+    ``keep_batchnorm_fp32``, ``master_weights`` and ``loss_scale`` override the preset (``None``
+    keeps it); ``loss_scale`` is ``"dynamic"`` or a number. Models and optimizers may live on
+    CPU or CUDA. Call parallel wrappers (DDP) after ``initialize``.
+
+    Args (keyword-only, new here; they shape the dynamic loss scale):
+        growth_factor (float): factor applied after ``growth_interval`` clean steps (Apex: 2).
+        backoff_factor (float): factor applied on overflow; default ``1 / growth_factor``.
+        growth_interval (int): clean backward passes before the scale grows (Apex's 2000).
+        hysteresis (int): consecutive overflows tolerated before the scale backs off (1 = Apex).
+            Every overflowing step is still skipped.
+        max_consecutive_skips (int): raise :class:`amp.NonFiniteGradientsError` naming the
+            offending parameters after this many skipped steps in a row (0 disables the check).
+        overflow_process_group: a ``torch.distributed`` group over which the overflow flag is
+            all-reduced (MAX) so every rank makes the same skip decision (for sharded or
+            model-parallel training; DDP's gradient all-reduce already agrees on its own).
+
+    Returns the same objects, mutated, in Apex's shapes: ``model`` or ``(model, optimizer)``,
+    lists when lists were given.
+    """
+    _amp_state.opt_properties = Properties()
+    if verbosity not in (0, 1, 2):
+        raise ValueError(f"verbosity must be 0, 1 or 2, got {verbosity!r}.")
+    _amp_state.verbosity = verbosity
+
+    if not enabled:
+        return models if optimizers is None else (models, optimizers)
+
+    if opt_level not in OPT_LEVELS:
+        raise RuntimeError(
+            f"Unexpected optimization level {opt_level!r}. Options are 'O0', 'O1', 'O2', 'O3', "
+            "'O4', 'O5'. Note that in `O0`, `O1`, etc., the prefix O is the letter O, not the "
+            "number zero.")
+    _check_positive_int("num_losses", num_losses)
+    _check_positive_int("growth_interval", growth_interval)
+    _check_positive_int("hysteresis", hysteresis)
+    if isinstance(max_consecutive_skips, bool) or not isinstance(max_consecutive_skips, int) \
+            or max_consecutive_skips < 0:
+        raise ValueError("max_consecutive_skips must be a non-negative integer (0 disables the "
+                         f"check), got {max_consecutive_skips!r}.")
+    if cast_model_outputs is not None and not isinstance(cast_model_outputs, torch.dtype):
+        raise TypeError(f"cast_model_outputs must be a torch.dtype or None, got {cast_model_outputs!r}.")
+
+    properties = _amp_state.opt_properties
+    brief, preset = OPT_LEVELS[opt_level]
+    properties.enabled = True
+    properties.opt_level = opt_level
+    for key, value in preset.items():
+        properties.options[key] = value
+    maybe_print(f"Selected optimization level {opt_level}:  {brief}", rank0=True)
+    maybe_print("Defaults for this optimization level are:", rank0=True)
+    _print_options(properties)
+
+    _amp_state.min_loss_scale = min_loss_scale
+    _amp_state.max_loss_scale = max_loss_scale
+
+    maybe_print("Processing user overrides (additional kwargs that are not None)...", rank0=True)
+    overrides = dict(cast_model_type=cast_model_type, patch_torch_functions=patch_torch_functions,
+                     keep_batchnorm_fp32=keep_batchnorm_fp32, master_weights=master_weights,
+                     loss_scale=loss_scale)
+    for key, value in overrides.items():
+        if value is not None:
+            setattr(properties, key, value)
+    maybe_print("After processing overrides, optimization options are:", rank0=True)
+    _print_options(properties)
+
+    scaler_options = dict(min_loss_scale=min_loss_scale, max_loss_scale=max_loss_scale,
+                          scale_factor=growth_factor, scale_window=growth_interval,
+                          backoff_factor=backoff_factor, hysteresis=hysteresis)
+    return _initialize(models, optimizers, properties, num_losses, cast_model_outputs,
+                       scaler_options, max_consecutive_skips, overflow_process_group)
+
+
+def state_dict(destination=None):
+    """The loss scalers' state: ``{"loss_scaler0": {...numbers...}, ...}`` (weights_only safe)."""
+    if destination is None:
+        destination = OrderedDict()
+    for idx, scaler in enumerate(_amp_state.loss_scalers):
+        destination[f"loss_scaler{idx}"] = scaler.state_dict()
+    return destination
+
+
+def load_state_dict(state_dict):
+    """Restore the loss scalers from :func:`state_dict`; everything is validated before anything changes."""
+    scalers = _amp_state.loss_scalers
+    if not scalers:
+        raise RuntimeError("amp.load_state_dict() needs the loss scalers that amp.initialize creates: "
+                           "call amp.initialize first, then load the checkpoint.")
+    if not isinstance(state_dict, dict):
+        raise TypeError(f"amp.load_state_dict expects the dict from amp.state_dict(), got "
+                        f"{type(state_dict).__name__}.")
+    expected = {f"loss_scaler{idx}" for idx in range(len(scalers))}
+    unexpected = sorted(set(state_dict) - expected)
+    missing = sorted(expected - set(state_dict))
+    if unexpected or missing:
+        raise RuntimeError(
+            f"Error(s) in loading amp state_dict: unexpected keys {unexpected}, missing keys "
+            f"{missing}. The checkpoint holds {len(state_dict)} loss scaler(s) and amp.initialize was "
+            f"called with num_losses={len(scalers)}; use the same num_losses as the saved run.")
+    # Dry run on copies first, so one bad entry leaves every scaler untouched.
+    for idx, scaler in enumerate(scalers):
+        copy.deepcopy(scaler).load_state_dict(state_dict[f"loss_scaler{idx}"])
+    for idx, scaler in enumerate(scalers):
+        scaler.load_state_dict(state_dict[f"loss_scaler{idx}"])
+
+
+def master_params(optimizer):
+    """Yield every parameter the optimizer steps: the fp32 masters under O2/O5.
+
+    Clip gradients and read optimizer-side values through these, not ``model.parameters()``:
+    under master weights the model's own low-precision ``.grad`` stay scaled.
+    """
+    for group in optimizer.param_groups:
+        yield from group["params"]
+
+
+def _stash(optimizer):
+    stash = getattr(optimizer, "_amp_stash", None)
+    if stash is None:
+        raise RuntimeError("This optimizer was not returned by amp.initialize.")
+    return stash
+
+
+def last_step_applied(optimizer):
+    """A 0-dim bool tensor on the parameters' device: did the last ``step()`` update anything?
+
+    Reading it on the host syncs; use it on the device to keep a step sync-free, e.g. an EMA
+    that follows skips: ``torch._foreach_lerp_(ema, params, decay * amp.last_step_applied(opt))``.
+    """
+    return _stash(optimizer).step_applied
+
+
+def skipped_steps(optimizer):
+    """A 0-dim int64 tensor on the parameters' device: how many ``step()`` calls were skipped."""
+    return _stash(optimizer).skipped_steps

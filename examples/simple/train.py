@@ -91,10 +91,6 @@ def main(argv=None):
     model, optimizer = amp.initialize(model, optimizer, opt_level=args.opt_level, verbosity=0)
     scaler = amp._amp_state.loss_scalers[0]
 
-    # A skipped step never reaches the optimizer's own step(), so its post-hook counts real steps.
-    steps_taken = [0]
-    optimizer.register_step_post_hook(lambda *_: steps_taken.__setitem__(0, steps_taken[0] + 1))
-
     steps_per_epoch = len(x_train) // args.batch_size
     total_steps = min(25, steps_per_epoch * args.epochs) if args.smoke else steps_per_epoch * args.epochs
     order = torch.Generator().manual_seed(args.seed)
@@ -127,7 +123,7 @@ def main(argv=None):
         plot_curves(args.plot, losses, scales, f"digits CNN, amp {args.opt_level} on {device}")
     fell = common.report_loss_trend(args.opt_level, losses)
     print(f"{args.opt_level} on {device}: test accuracy {accuracy:.2f}%, "
-          f"{total_steps - steps_taken[0]} of {total_steps} steps skipped, "
+          f"{int(amp.skipped_steps(optimizer))} of {total_steps} steps skipped, "
           f"final loss scale {scales[-1]:g}, {1000 * seconds_per_step:.2f} ms/step")
     if args.smoke and not fell:
         print("smoke run failed: the training loss did not fall", file=sys.stderr)

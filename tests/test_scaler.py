@@ -99,7 +99,9 @@ def test_min_loss_scale_floors_the_backoff():
 
 
 def test_max_loss_scale_caps_the_initial_scale_and_the_growth():
-    scaler = LossScaler("dynamic", init_scale=2.0**30, scale_factor=3.0, max_loss_scale=100.0, scale_window=1)
+    scaler = LossScaler("dynamic", init_scale=2.0**30, max_loss_scale=100.0, scale_window=1)
+    assert scaler.loss_scale() == 100.0
+    step(scaler, overflow=False)
     assert scaler.loss_scale() == 100.0
     step(scaler, overflow=True)
     step(scaler, overflow=False)

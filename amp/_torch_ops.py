@@ -262,16 +262,8 @@ def _check_state_tensor(name, t, dtype, device):
         )
 
 
-def update_scale_hysteresis(
-    current_scale,
-    growth_tracker,
-    hysteresis_tracker,
-    found_inf,
-    growth_factor,
-    backoff_factor,
-    growth_interval,
-    hysteresis,
-):
+def update_scale_hysteresis(current_scale, growth_tracker, hysteresis_tracker, found_inf,
+                            growth_factor, backoff_factor, growth_interval, hysteresis):
     """Update the loss scale in place, on its device, from ``found_inf``; returns ``current_scale``.
 
     An overflow (``found_inf > 0``) decrements ``hysteresis_tracker``; while it stays above zero the

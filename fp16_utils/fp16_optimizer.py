@@ -181,7 +181,8 @@ class FP16_Optimizer:
         rows = list(zip(self.all_fp32_from_fp16_params, self.all_fp16_params))
         for masters, models in _grouped(rows):
             noop_flag = torch.zeros(1, dtype=torch.int32, device=masters[0].device)
-            multi_tensor_applier(multi_tensor_scale, noop_flag, [masters, models], 1.0)
+            with torch.no_grad():  # the params are leaves that require grad
+                multi_tensor_applier(multi_tensor_scale, noop_flag, [masters, models], 1.0)
 
     def _clear_master_grads(self):
         for group in self.optimizer.param_groups:

@@ -131,8 +131,8 @@ class FP16_Optimizer:
                 if not param.requires_grad:
                     continue
                 check_param_dtypes([param], f"FP16_Optimizer (param group {i}, param {j})")
+                self.maybe_print(f"FP16_Optimizer received {param.dtype} with {tuple(param.shape)}")
                 if param.dtype in LOW_PRECISION_DTYPES:
-                    self.maybe_print(f"FP16_Optimizer received {param.dtype} with {tuple(param.shape)}")
                     master = torch.nn.Parameter(param.detach().to(torch.float32, copy=True))
                     group["params"][j] = master
                     if param in self.optimizer.state:
@@ -140,7 +140,6 @@ class FP16_Optimizer:
                     fp16_params.append(param)
                     fp32_from_fp16.append(master)
                 else:
-                    self.maybe_print(f"FP16_Optimizer received {param.dtype} with {tuple(param.shape)}")
                     fp32_params.append(param)
             self.fp16_groups.append(fp16_params)
             self.fp32_from_fp16_groups.append(fp32_from_fp16)

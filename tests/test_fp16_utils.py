@@ -129,6 +129,19 @@ class Reference:
         for m in self.masters:
             m.grad = None
 
+    def train(self, data):
+        for x, y in data:
+            self.zero_grad()
+            self.backward(loss_fn(self.model, x, y))
+            self.step()
+
+
+def train(model, opt, data):
+    for x, y in data:
+        opt.zero_grad()
+        opt.backward(loss_fn(model, x, y))
+        opt.step()
+
 
 def master_params(opt):
     return [p for g in opt.param_groups for p in g["params"]]
@@ -425,8 +438,9 @@ def test_FP16_Optimizer_prints_deprecation_once_and_nothing_else_when_not_verbos
     x, y = batches(1)[0]
     opt.backward(loss_fn(model, x, y) * float("inf"))
     opt.step()
-    lines = capsys.readouterr().out.strip().splitlines()
-    assert len(lines) == 1 and "deprecated and dangerous" in lines[0]
+    out = capsys.readouterr().out
+    assert out.count("FP16_Optimizer is deprecated and dangerous") == 1
+    assert "processing param group" not in out and "Gradient overflow" not in out
 
 
 def test_FP16_Optimizer_verbose_prints_groups_and_skips(capsys):
@@ -449,13 +463,9 @@ def test_FP16_Optimizer_trains_like_hand_written_master_weight_loop(device, dtyp
     model = MixedNet(dtype, device)
     ref = Reference(model, 128.0, opt_cls)
     opt = make_fp16_optimizer(model, opt_cls, static_loss_scale=128.0)
-    for x, y in batches(5, device):
-        opt.zero_grad()
-        opt.backward(loss_fn(model, x, y))
-        opt.step()
-        ref.zero_grad()
-        ref.backward(loss_fn(ref.model, x, y))
-        ref.step()
+    data = batches(5, device)
+    train(model, opt, data)
+    ref.train(data)
     assert_bit_equal(master_params(opt), ref.masters)
     assert_bit_equal(list(model.parameters()), ref.params)
 
@@ -484,15 +494,24 @@ def test_FP16_Optimizer_dynamic_scale_trains_like_reference_when_no_overflow():
     ref = Reference(model, 2.0**10)
     opt = make_fp16_optimizer(model, dynamic_loss_scale=True,
                               dynamic_loss_args={"init_scale": 2.0**10, "scale_window": 1000})
+    data = batches(4)
+    train(model, opt, data)
+    ref.train(data)
+    assert opt.loss_scale == 2.0**10
+    assert_bit_equal(master_params(opt), ref.masters)
+
+
+def test_FP16_Optimizer_dynamic_scale_grows_after_scale_window_clean_steps():
+    model = MixedNet(torch.float16)
+    opt = make_fp16_optimizer(model, dynamic_loss_scale=True, dynamic_loss_args={
+        "init_scale": 2.0**4, "scale_window": 2, "scale_factor": 4.0})
+    scales = []
     for x, y in batches(4):
         opt.zero_grad()
         opt.backward(loss_fn(model, x, y))
         opt.step()
-        ref.zero_grad()
-        ref.backward(loss_fn(ref.model, x, y))
-        ref.step()
-    assert opt.loss_scale == 2.0**10
-    assert_bit_equal(master_params(opt), ref.masters)
+        scales.append(opt.loss_scale)
+    assert scales == [2.0**4, 2.0**6, 2.0**6, 2.0**8]  # amp's scaler honours scale_factor
 
 
 def snapshot(opt):
@@ -761,13 +780,6 @@ def contains_only_tensors_and_numbers(obj):
     if isinstance(obj, (list, tuple)):
         return all(contains_only_tensors_and_numbers(v) for v in obj)
     return obj is None or type(obj) in (bool, int, float, str, torch.Tensor)
-
-
-def train(model, opt, data):
-    for x, y in data:
-        opt.zero_grad()
-        opt.backward(loss_fn(model, x, y))
-        opt.step()
 
 
 @pytest.mark.parametrize("dynamic", [False, True])

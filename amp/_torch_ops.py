@@ -44,7 +44,7 @@ _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 def _is_dense(t):
     """Whether ``t`` covers a gap-free block of storage (some permutation of its dims is contiguous)."""
-    if t.numel() == 0:
+    if t.is_contiguous() or t.numel() == 0:
         return True
     expected = 1
     for size, stride in sorted(zip(t.shape, t.stride()), key=lambda p: p[1]):

@@ -136,7 +136,7 @@ class LossScaler:
             initial = loss_scale
         # Host copy of a static scale, so the "nothing to do" test in unscale() needs no sync.
         self._static_scale = float(initial)
-        # Created on the CPU and moved, once, to the device of first use (see _place).
+        # Created on the CPU; _place moves it to the device where it is used (normally once).
         self._device = None
         self._scale = torch.full((1,), float(initial), dtype=torch.float32)
         self._growth_tracker = torch.zeros(1, dtype=torch.int32)
@@ -144,7 +144,7 @@ class LossScaler:
         self._overflow_buf = torch.zeros(1, dtype=torch.float32)
 
     def _place(self, device):
-        """Keep the state on ``device`` (moving it there if it lives elsewhere) and return it."""
+        """Keep the state on ``device``, moving it there if it lives elsewhere; returns the device."""
         device = torch.device(device)
         if device != self._device:
             self._scale = self._scale.to(device)

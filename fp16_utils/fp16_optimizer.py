@@ -24,11 +24,11 @@ MAX_CLOSURE_RETRIES = 64
 
 
 def _grouped(rows):
-    """Split rows of tensors by the (device, dtype) of each row's first tensor and return each
-    group as columns, because one fused call takes lists of a single device and dtype."""
+    """Split rows of tensors by the devices and dtypes in each row and return each group as
+    columns, because every list of one fused call must share a device and a dtype."""
     groups = {}
     for row in rows:
-        groups.setdefault((row[0].device, row[0].dtype), []).append(row)
+        groups.setdefault(tuple((t.device, t.dtype) for t in row), []).append(row)
     return [[list(column) for column in zip(*group)] for group in groups.values()]
 
 
@@ -276,7 +276,7 @@ class FP16_Optimizer:
         ``None`` while the grads have overflowed."""
         self._flush_pending_grads()
         if self.overflow:
-            print("Warning:  calling FP16_Optimizer.inspect_master_grad_data while in an overflow "
+            self.maybe_print("Warning:  calling FP16_Optimizer.inspect_master_grad_data while in an overflow "
                   "state.  Gradients are currently invalid (may be inf, nan, or stale).  Returning None.")
             return None
         return [[None if p.grad is None else p.grad.data for p in group["params"]]

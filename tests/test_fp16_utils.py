@@ -853,6 +853,14 @@ def test_load_state_dict_rejects_mismatched_checkpoint_without_changing_anything
     assert_bit_equal(snapshot(opt)[0], before)
 
 
+def test_FP16_Optimizer_bad_param_leaves_optimizer_untouched():
+    good, bad = nn.Linear(2, 2).half(), nn.Linear(2, 2).double()
+    inner = torch.optim.SGD([{"params": good.parameters()}, {"params": bad.parameters()}], lr=0.1)
+    with pytest.raises(TypeError, match=r"param group 1, param 0.*torch.float64"):
+        FP16_Optimizer(inner, verbose=False)
+    assert inner.param_groups[0]["params"] == list(good.parameters())
+
+
 def test_FP16_Optimizer_refuses_pickling():
     import pickle
     opt = make_fp16_optimizer(MixedNet(torch.float16))

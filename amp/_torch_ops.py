@@ -44,7 +44,7 @@ _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 def _is_dense(t):
     """Whether ``t`` covers a gap-free block of storage (some permutation of its dims is contiguous)."""
-    if t.numel() == 0:
+    if t.is_contiguous() or t.numel() == 0:
         return True
     expected = 1
     for size, stride in sorted(zip(t.shape, t.stride()), key=lambda p: p[1]):
@@ -262,16 +262,8 @@ def _check_state_tensor(name, t, dtype, device):
         )
 
 
-def update_scale_hysteresis(
-    current_scale,
-    growth_tracker,
-    hysteresis_tracker,
-    found_inf,
-    growth_factor,
-    backoff_factor,
-    growth_interval,
-    hysteresis,
-):
+def update_scale_hysteresis(current_scale, growth_tracker, hysteresis_tracker, found_inf,
+                            growth_factor, backoff_factor, growth_interval, hysteresis):
     """Update the loss scale in place, on its device, from ``found_inf``; returns ``current_scale``.
 
     An overflow (``found_inf > 0``) decrements ``hysteresis_tracker``; while it stays above zero the

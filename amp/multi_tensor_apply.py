@@ -33,17 +33,8 @@ except ImportError as err:
 else:
     _import_error = None
 
-__all__ = [
-    "MultiTensorApply",
-    "multi_tensor_applier",
-    "use_extension",
-    "multi_tensor_scale",
-    "multi_tensor_axpby",
-    "multi_tensor_l2norm",
-    "multi_tensor_l2norm_mp",
-    "multi_tensor_unscale_l2norm",
-    "update_scale_hysteresis",
-]
+# The ops keep amp_C's names; the list lives with their PyTorch versions.
+__all__ = ["MultiTensorApply", "multi_tensor_applier", "use_extension", *_torch_ops.__all__]
 
 _extension_cuda = amp_C is not None and bool(getattr(amp_C, "cuda_available", lambda: False)())
 _extension_enabled = os.environ.get("AMP_DISABLE_EXTENSION", "0") != "1"
@@ -164,25 +155,9 @@ def multi_tensor_unscale_l2norm(chunk_size, noop_flag, tensor_lists, inv_scale, 
     return op(chunk_size, noop_flag, tensor_lists, inv_scale, per_tensor)
 
 
-def update_scale_hysteresis(
-    current_scale,
-    growth_tracker,
-    hysteresis_tracker,
-    found_inf,
-    growth_factor,
-    backoff_factor,
-    growth_interval,
-    hysteresis,
-):
+def update_scale_hysteresis(current_scale, growth_tracker, hysteresis_tracker, found_inf,
+                            growth_factor, backoff_factor, growth_interval, hysteresis):
     """Device-side loss-scale update with hysteresis (see ``amp._torch_ops``); returns the scale."""
     op = _implementation("update_scale_hysteresis", current_scale.device)
-    return op(
-        current_scale,
-        growth_tracker,
-        hysteresis_tracker,
-        found_inf,
-        growth_factor,
-        backoff_factor,
-        growth_interval,
-        hysteresis,
-    )
+    return op(current_scale, growth_tracker, hysteresis_tracker, found_inf,
+              growth_factor, backoff_factor, growth_interval, hysteresis)

@@ -97,7 +97,9 @@ class LossScaler:
                 '"dynamic" or a finite number > 0',
                 loss_scale,
             )
-        _require(_is_real(init_scale) and 0 < init_scale < math.inf, "init_scale", "finite and > 0", init_scale)
+        _require(
+            _is_real(init_scale) and 0 < init_scale < math.inf, "init_scale", "finite and > 0", init_scale
+        )
         _require(_is_real(scale_factor) and scale_factor > 1, "scale_factor", "> 1", scale_factor)
         _require(
             _is_real(backoff_factor) and 0 < backoff_factor < 1, "backoff_factor", "in (0, 1)", backoff_factor
@@ -118,7 +120,8 @@ class LossScaler:
         )
         if min_loss_scale is not None and max_loss_scale is not None and min_loss_scale > max_loss_scale:
             raise ValueError(
-                f"LossScaler: min_loss_scale ({min_loss_scale}) must not exceed max_loss_scale ({max_loss_scale})"
+                f"LossScaler: min_loss_scale ({min_loss_scale}) must not exceed "
+                f"max_loss_scale ({max_loss_scale})"
             )
 
         self._scale_factor = float(scale_factor)
@@ -133,7 +136,7 @@ class LossScaler:
             initial = loss_scale
         # Host copy of a static scale, so the "nothing to do" test in unscale() needs no sync.
         self._static_scale = float(initial)
-        # Created on the CPU and moved, once, to the device of first use (see _place).
+        # Created on the CPU; _place moves it to the device where it is used (normally once).
         self._device = None
         self._scale = torch.full((1,), float(initial), dtype=torch.float32)
         self._growth_tracker = torch.zeros(1, dtype=torch.int32)
@@ -141,7 +144,7 @@ class LossScaler:
         self._overflow_buf = torch.zeros(1, dtype=torch.float32)
 
     def _place(self, device):
-        """Keep the state on ``device`` (moving it there if it lives elsewhere) and return it."""
+        """Keep the state on ``device``, moving it there if it lives elsewhere; returns the device."""
         device = torch.device(device)
         if device != self._device:
             self._scale = self._scale.to(device)
@@ -178,7 +181,7 @@ class LossScaler:
         return self._scale.view(())
 
     def found_inf(self):
-        """The overflow flag of the current backward: 1-element float32, > 0 once non-finite grads were seen."""
+        """The overflow flag of the current backward: 1-element float32, > 0 once grads overflowed."""
         return self._overflow_buf
 
     def clear_overflow_state(self):
@@ -307,7 +310,9 @@ class LossScaler:
 
         def require(ok, key, valid):
             if not ok:
-                raise ValueError(f"LossScaler.load_state_dict: {key} must be {valid}, got {state_dict[key]!r}")
+                raise ValueError(
+                    f"LossScaler.load_state_dict: {key} must be {valid}, got {state_dict[key]!r}"
+                )
 
         require(_is_real(loss_scale) and 0 <= loss_scale < math.inf, "loss_scale", "a finite number >= 0")
         require(_is_int(unskipped) and unskipped >= 0, "unskipped", "an int >= 0")

@@ -128,7 +128,8 @@ def test_float_and_tensor_scale_give_the_same_bits(scale):
     by_float = [torch.empty(CHUNK + 5, dtype=torch.bfloat16)]
     by_tensor = [torch.empty(CHUNK + 5, dtype=torch.bfloat16)]
     multi_tensor_applier(multi_tensor_scale, flag(), [ins, by_float], scale)
-    multi_tensor_applier(multi_tensor_scale, flag(), [ins, by_tensor], torch.tensor([scale], dtype=torch.float32))
+    scale_tensor = torch.tensor([scale], dtype=torch.float32)
+    multi_tensor_applier(multi_tensor_scale, flag(), [ins, by_tensor], scale_tensor)
     assert_bitwise_equal(by_float[0], by_tensor[0])
 
 
@@ -207,13 +208,15 @@ def test_axpby_flags_only_the_checked_inputs(arg_to_check, bad_in, flagged):
     xs, ys = make([4, 9], torch.float16), make([4, 9], torch.float32)
     (xs if bad_in == "x" else ys)[1][8] = float("inf")
     noop = flag()
-    multi_tensor_applier(multi_tensor_axpby, noop, [xs, ys, [torch.empty(4), torch.empty(9)]], 1.0, 1.0, arg_to_check)
+    outs = [torch.empty(4), torch.empty(9)]
+    multi_tensor_applier(multi_tensor_axpby, noop, [xs, ys, outs], 1.0, 1.0, arg_to_check)
     assert noop.item() == int(flagged)
 
 
 def test_axpby_float_and_tensor_coefficients_give_the_same_bits():
     xs, ys = make([CHUNK + 9], torch.bfloat16), make([CHUNK + 9], torch.float16)
-    by_float, by_tensor = [torch.empty(CHUNK + 9, dtype=torch.float16)], [torch.empty(CHUNK + 9, dtype=torch.float16)]
+    by_float = [torch.empty(CHUNK + 9, dtype=torch.float16)]
+    by_tensor = [torch.empty(CHUNK + 9, dtype=torch.float16)]
     multi_tensor_applier(multi_tensor_axpby, flag(), [xs, ys, by_float], 0.3, 1 / 7, 0)
     a, b = torch.tensor([0.3]), torch.tensor([1 / 7])
     multi_tensor_applier(multi_tensor_axpby, flag(), [xs, ys, by_tensor], a, b, 0)
@@ -250,7 +253,8 @@ def test_l2norm_flags_non_finite_values():
 
 def test_l2norm_mp_returns_zeros_when_the_flag_is_already_set():
     noop = torch.ones(1, dtype=torch.int32)
-    total, per_tensor = multi_tensor_applier(multi_tensor_l2norm_mp, noop, [make([5, 6], torch.float16)], True)
+    xs = make([5, 6], torch.float16)
+    total, per_tensor = multi_tensor_applier(multi_tensor_l2norm_mp, noop, [xs], True)
     assert total.tolist() == [0.0] and per_tensor.tolist() == [0.0, 0.0]
 
 
@@ -299,16 +303,17 @@ def python_hysteresis_update(state, found_inf, growth_factor, backoff_factor, gr
     growth_interval=st.integers(1, 5),
     backoff_factor=st.sampled_from([0.5, 0.25, 0.3]),
 )
-def test_update_scale_hysteresis_follows_the_reference_rule(found, hysteresis, growth_interval, backoff_factor):
+def test_update_scale_hysteresis_follows_the_reference_rule(found, hysteresis, growth_interval,
+                                                            backoff_factor):
     scale = torch.tensor([2.0**120])
     growth = torch.zeros(1, dtype=torch.int32)
     hyst = torch.full((1,), hysteresis, dtype=torch.int32)
     expected = (2.0**120, 0, hysteresis)
     for overflow in found:
-        returned = update_scale_hysteresis(
-            scale, growth, hyst, torch.tensor([float(overflow)]), 3.0, backoff_factor, growth_interval, hysteresis
-        )
-        expected = python_hysteresis_update(expected, overflow, 3.0, backoff_factor, growth_interval, hysteresis)
+        found_inf = torch.tensor([float(overflow)])
+        rule = (3.0, backoff_factor, growth_interval, hysteresis)
+        returned = update_scale_hysteresis(scale, growth, hyst, found_inf, *rule)
+        expected = python_hysteresis_update(expected, overflow, *rule)
         assert returned is scale
         assert (scale.item(), growth.item(), hyst.item()) == expected
 
@@ -380,7 +385,8 @@ def test_a_float64_scale_tensor_is_an_error():
 
 def test_float64_tensors_are_an_error():
     with pytest.raises(ValueError, match="only float32, float16 and bfloat16"):
-        multi_tensor_applier(multi_tensor_scale, flag(), [[torch.zeros(3, dtype=torch.float64)], [torch.zeros(3)]], 1.0)
+        ins = [torch.zeros(3, dtype=torch.float64)]
+        multi_tensor_applier(multi_tensor_scale, flag(), [ins, [torch.zeros(3)]], 1.0)
 
 
 # --- dispatch --------------------------------------------------------------------------------------
@@ -416,7 +422,8 @@ def test_extension_without_cuda_kernels_does_not_serve_cuda_tensors(monkeypatch)
     monkeypatch.setattr(mta, "amp_C", module)
     monkeypatch.setattr(mta, "_extension_cuda", False)
     with use_extension(True):
-        assert mta._implementation("multi_tensor_scale", torch.device("cuda", 0)) is mta._torch_ops.multi_tensor_scale
+        on_cuda = mta._implementation("multi_tensor_scale", torch.device("cuda", 0))
+        assert on_cuda is mta._torch_ops.multi_tensor_scale
         assert mta._implementation("multi_tensor_scale", torch.device("cpu")) is module.multi_tensor_scale
 
 

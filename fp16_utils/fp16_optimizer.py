@@ -24,11 +24,11 @@ MAX_CLOSURE_RETRIES = 64
 
 
 def _grouped(rows):
-    """Split rows of tensors by the (device, dtype) of each row's first tensor and return each
-    group as columns, because one fused call takes lists of a single device and dtype."""
+    """Split rows of tensors by the devices and dtypes in each row and return each group as
+    columns, because every list of one fused call must share a device and a dtype."""
     groups = {}
     for row in rows:
-        groups.setdefault((row[0].device, row[0].dtype), []).append(row)
+        groups.setdefault(tuple((t.device, t.dtype) for t in row), []).append(row)
     return [[list(column) for column in zip(*group)] for group in groups.values()]
 
 
@@ -102,7 +102,8 @@ class FP16_Optimizer:
         # Grad bookkeeping that makes repeated backward calls accumulate exactly:
         # _grads_pending: a backward ran whose grads are still scaled in the model params.
         # _masters_hold_grads: master grads (and fp32 params' grads) hold unscaled sums.
-        # _fp32_stash: while both hold, the fp32 params' unscaled grads set aside for the next backward.
+        # _fp32_stash: the fp32 params' unscaled grads, set aside when a backward starts while
+        #              the masters hold grads, and added back by update_master_grads.
         self._grads_pending = False
         self._masters_hold_grads = False
         self._fp32_stash = None
@@ -121,6 +122,11 @@ class FP16_Optimizer:
         return dynamic_loss_args
 
     def _make_masters(self):
+        # Check every param before replacing any, so a bad one leaves the optimizer untouched.
+        for i, group in enumerate(self.optimizer.param_groups):
+            for j, param in enumerate(group["params"]):
+                if param.requires_grad:
+                    check_param_dtypes([param], f"FP16_Optimizer (param group {i}, param {j})")
         self.fp16_groups = []
         self.fp32_from_fp16_groups = []
         self.fp32_from_fp32_groups = []
@@ -130,7 +136,6 @@ class FP16_Optimizer:
             for j, param in enumerate(group["params"]):
                 if not param.requires_grad:
                     continue
-                check_param_dtypes([param], f"FP16_Optimizer (param group {i}, param {j})")
                 self.maybe_print(f"FP16_Optimizer received {param.dtype} with {tuple(param.shape)}")
                 if param.dtype in LOW_PRECISION_DTYPES:
                     master = torch.nn.Parameter(param.detach().to(torch.float32, copy=True))
@@ -276,7 +281,7 @@ class FP16_Optimizer:
         ``None`` while the grads have overflowed."""
         self._flush_pending_grads()
         if self.overflow:
-            print("Warning:  calling FP16_Optimizer.inspect_master_grad_data while in an overflow "
+            self.maybe_print("Warning:  calling FP16_Optimizer.inspect_master_grad_data while in an overflow "
                   "state.  Gradients are currently invalid (may be inf, nan, or stale).  Returning None.")
             return None
         return [[None if p.grad is None else p.grad.data for p in group["params"]]

@@ -470,6 +470,31 @@ def test_FP16_Optimizer_trains_like_hand_written_master_weight_loop(device, dtyp
     assert_bit_equal(list(model.parameters()), ref.params)
 
 
+class TwoDtypeNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.w16 = nn.Parameter(torch.randn(8, 8, generator=g).half())
+        self.wbf = nn.Parameter(torch.randn(3, 8, generator=g).bfloat16())
+
+    def forward(self, x):
+        h = (x.half() @ self.w16.t()).float()
+        return (h.bfloat16() @ self.wbf.t()).float()
+
+
+def test_FP16_Optimizer_mixes_fp16_and_bf16_params_across_param_groups():
+    model = TwoDtypeNet()
+    ref = Reference(model, 16.0)
+    inner = torch.optim.SGD([{"params": [model.w16, model.wbf]}, {"params": [], "lr": 0.5}], lr=0.1, momentum=0.9)
+    ref.opt = torch.optim.SGD([{"params": ref.masters}, {"params": [], "lr": 0.5}], lr=0.1, momentum=0.9)
+    opt = FP16_Optimizer(inner, static_loss_scale=16.0, verbose=False)
+    data = batches(3)
+    train(model, opt, data)
+    ref.train(data)
+    assert_bit_equal(master_params(opt), ref.masters)
+    assert_bit_equal(list(model.parameters()), ref.params)
+
+
 def test_FP16_Optimizer_replaces_low_precision_params_with_fp32_masters():
     model = MixedNet(torch.float16)
     opt = make_fp16_optimizer(model)
@@ -826,6 +851,14 @@ def test_load_state_dict_rejects_mismatched_checkpoint_without_changing_anything
     with pytest.raises(KeyError, match="lacks"):
         opt.load_state_dict({"overflow": False})
     assert_bit_equal(snapshot(opt)[0], before)
+
+
+def test_FP16_Optimizer_bad_param_leaves_optimizer_untouched():
+    good, bad = nn.Linear(2, 2).half(), nn.Linear(2, 2).double()
+    inner = torch.optim.SGD([{"params": good.parameters()}, {"params": bad.parameters()}], lr=0.1)
+    with pytest.raises(TypeError, match=r"param group 1, param 0.*torch.float64"):
+        FP16_Optimizer(inner, verbose=False)
+    assert inner.param_groups[0]["params"] == list(good.parameters())
 
 
 def test_FP16_Optimizer_refuses_pickling():

@@ -174,7 +174,7 @@ def _initialize(models, optimizers, properties, num_losses, cast_model_outputs, 
         for model in models:
             for param in model.parameters():
                 if param.dtype == torch.float32:
-                    fp32_values[param] = param.detach().clone()
+                    fp32_values[id(param)] = param.detach().clone()
 
     if cast_type:
         for model in models:

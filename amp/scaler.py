@@ -155,7 +155,9 @@ class LossScaler:
         return self._device
 
     def loss_scale(self):
-        """The current scale as a Python float (reads the device value, so it synchronises)."""
+        """The current scale as a Python float (a dynamic scale is read from the device: a sync)."""
+        if not self.dynamic:
+            return self._static_scale
         return self._scale.item()
 
     @property

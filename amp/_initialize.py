@@ -33,6 +33,8 @@ def applier(value, fn):
     if hasattr(value, "to") and callable(value.to) and not isinstance(value, nn.Module):
         return fn(value)
     if isinstance(value, collections.abc.Mapping):
+        if type(value) is dict:
+            return {key: applier(item, fn) for key, item in value.items()}
         if isinstance(value, dict):
             # copy.copy keeps the subclass and its extra state (defaultdict's factory, ...).
             out = copy.copy(value)
@@ -174,7 +176,7 @@ def _initialize(models, optimizers, properties, num_losses, cast_model_outputs, 
         for model in models:
             for param in model.parameters():
                 if param.dtype == torch.float32:
-                    fp32_values[param] = param.detach().clone()
+                    fp32_values[id(param)] = param.detach().clone()
 
     if cast_type:
         for model in models:

@@ -331,13 +331,14 @@ def _step_with_found_inf(self, found_inf, closure, args, kwargs):
     """Sync-free step: the optimizer itself skips on ``found_inf`` (device-side)."""
     stash = self._amp_stash
     device = _param_device(self)
-    found_inf = found_inf.to(device=device, dtype=torch.float32, non_blocking=True)
+    # Fused optimizers subtract found_inf from 0-dim step counters: it must be 0-dim too.
+    found_inf = found_inf.to(device=device, dtype=torch.float32, non_blocking=True).reshape(())
     self.grad_scale, self.found_inf = None, found_inf
     try:
         result = stash.original_step(closure, *args, **kwargs)
     finally:
         del self.grad_scale, self.found_inf
-    skipped = found_inf.reshape(()) > 0
+    skipped = found_inf > 0
     stash.step_applied.copy_(~skipped)
     stash.skipped_steps.add_(skipped)
     stash.consecutive_skips.add_(1).mul_(skipped)

@@ -1,0 +1,145 @@
+"""Casting the arguments of one call: the hot path shared by every wrapper.
+
+The helpers walk the positional and keyword arguments once and allocate nothing when no argument
+needs a cast, because they run on every patched call (every ``x + y`` under O1).
+"""
+import torch
+from torch import Tensor
+from torch.nn import Parameter
+
+FLOATING = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64))
+LOW_PRECISION = frozenset((torch.float16, torch.bfloat16))
+TYPE_NAMES = {torch.float16: "Half", torch.bfloat16: "BFloat16", torch.float32: "Float",
+              torch.float64: "Double"}
+# Apex casts a list or tuple argument only when every element is a floating tensor (the RNN
+# weight list, the tensors of cat); torch.Size and other tuple subclasses are never containers.
+_SEQUENCES = (list, tuple)
+
+
+def _all_floating(seq):
+    for t in seq:
+        if not isinstance(t, Tensor) or t.dtype not in FLOATING:
+            return False
+    return True
+
+
+def _cast_sequence(seq, dtype, cast):
+    if all(t.dtype is dtype for t in seq):
+        return seq
+    return type(seq)(t if t.dtype is dtype else cast(t, dtype) for t in seq)
+
+
+def _cast_value(a, dtype, cast):
+    # Returns `a` itself when nothing changes, so callers can test identity.
+    if isinstance(a, Tensor):
+        d = a.dtype
+        if d is dtype or d not in FLOATING:
+            return a
+        return cast(a, dtype)
+    if type(a) in _SEQUENCES and a and _all_floating(a):
+        return _cast_sequence(a, dtype, cast)
+    return a
+
+
+def cast_args(args, kwargs, dtype, cast):
+    """Cast every floating tensor (or all-floating list/tuple) argument to ``dtype``.
+
+    ``cast(tensor, dtype)`` performs one cast. Returns ``(args, kwargs)``; ``args`` is the input
+    tuple itself when nothing changed, and ``kwargs`` (the wrapper's own dict) is updated in place.
+    """
+    out = None
+    for i, a in enumerate(args):
+        new = _cast_value(a, dtype, cast)
+        if new is not a:
+            if out is None:
+                out = list(args)
+            out[i] = new
+    if kwargs:
+        for k, v in kwargs.items():
+            new = _cast_value(v, dtype, cast)
+            if new is not v:
+                kwargs[k] = new
+    return (args if out is None else out), kwargs
+
+
+def _promote(found, d):
+    return d if found is None or found is d else torch.promote_types(found, d)
+
+
+def widest_type(values):
+    """The promoted dtype of the floating tensors among ``values``, or None when they all agree.
+
+    Any mix is promoted with torch's rules ({half, float} -> float, {float, double} -> double,
+    {half, bfloat16} -> float), where Apex raised for anything but {half, float}.
+    """
+    found = None
+    mixed = False
+    for a in values:
+        if isinstance(a, Tensor):
+            d = a.dtype
+            if d in FLOATING and d is not found:
+                mixed = found is not None
+                found = _promote(found, d)
+        elif type(a) in _SEQUENCES and a and _all_floating(a):
+            for t in a:
+                if t.dtype is not found:
+                    mixed = mixed or found is not None
+                    found = _promote(found, t.dtype)
+    return found if mixed else None
+
+
+def any_low_precision(args, kwargs):
+    """True when any floating tensor argument (or list element) is fp16 or bf16."""
+    for a in (*args, *kwargs.values()) if kwargs else args:
+        if isinstance(a, Tensor):
+            if a.dtype in LOW_PRECISION:
+                return True
+        elif type(a) in _SEQUENCES:
+            if any(isinstance(t, Tensor) and t.dtype in LOW_PRECISION for t in a):
+                return True
+    return False
+
+
+def _cached_cast(cache, param, dtype, cast):
+    # Keyed by the Parameter object, so the cached copy's autograd parent is always `param`:
+    # no need for Apex's next_functions[1] parent check, which broke on torch >= 1.10 (Q7).
+    entry = cache.get(param)
+    version = param._version
+    if entry is not None:
+        copy, cached_version = entry
+        # A copy made under no_grad cannot carry gradients back in training (train -> eval ->
+        # train), and an in-place update of the parameter (optimizer.step without a cache
+        # clear) makes the copy stale: both are recast.
+        if (cached_version == version and copy.dtype is dtype
+                and (copy.requires_grad == param.requires_grad or not torch.is_grad_enabled())):
+            return copy
+    copy = cast(param, dtype)
+    # Inference tensors cannot be saved for backward later, so they are never cached.
+    if not torch.is_inference_mode_enabled():
+        cache[param] = (copy, version)
+    return copy
+
+
+def make_caster(name, verbose=False, cache=None):
+    """Return ``cast(tensor, dtype)`` for the wrapper of function ``name``.
+
+    With a ``cache`` dict (the handle's), fp32 Parameters cast to fp16/bf16 are cast once and the
+    copy is shared by every use until the cache is cleared. With ``verbose``, each inserted cast
+    prints Apex's "Float->Half (name)" line.
+    """
+    if verbose:
+        def plain(t, dtype):
+            print(f"{TYPE_NAMES.get(t.dtype, t.dtype)}->{TYPE_NAMES.get(dtype, dtype)} ({name})")
+            return t.to(dtype)
+    else:
+        def plain(t, dtype):
+            return t.to(dtype)
+
+    if cache is None:
+        return plain
+
+    def cast(t, dtype):
+        if t.dtype is torch.float32 and dtype in LOW_PRECISION and isinstance(t, Parameter):
+            return _cached_cast(cache, t, dtype, plain)
+        return plain(t, dtype)
+    return cast

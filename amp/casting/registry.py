@@ -1,0 +1,96 @@
+"""User additions to the lists: ``register_*_function`` and the ``*_function`` decorators.
+
+Registrations are recorded here and consumed by the next ``init`` (``amp.initialize`` with O1 or
+O4), which installs them innermost, so they override the built-in lists. Decorators instead
+look up the active handle at each call, so they work whether they run before or after ``init``.
+"""
+import functools
+
+import torch
+
+from .._amp_state import _amp_state
+from ._cast import cast_args, make_caster, widest_type
+
+__all__ = [
+    "register_half_function", "register_float_function", "register_bfloat16_function",
+    "register_promote_function", "half_function", "float_function", "bfloat16_function",
+    "promote_function",
+]
+
+# (module, name, dtype) in registration order; dtype None means promote.
+_USER_REGISTRY = []
+
+
+def _register(module, name, dtype):
+    if not hasattr(module, name):
+        raise ValueError(f"No function named {name} in module {module}.")
+    _USER_REGISTRY.append((module, name, dtype))
+
+
+def register_half_function(module, name):
+    """Run ``module.name`` in fp16 under amp (takes effect at the next ``amp.initialize``)."""
+    _register(module, name, torch.float16)
+
+
+def register_bfloat16_function(module, name):
+    """Run ``module.name`` in bf16 under amp (takes effect at the next ``amp.initialize``)."""
+    _register(module, name, torch.bfloat16)
+
+
+def register_float_function(module, name):
+    """Run ``module.name`` in fp32 under amp (takes effect at the next ``amp.initialize``)."""
+    _register(module, name, torch.float32)
+
+
+def register_promote_function(module, name):
+    """Run ``module.name`` in the widest floating type of its arguments under amp."""
+    _register(module, name, None)
+
+
+def consume_registry():
+    """Return the pending registrations, without duplicates, and forget them."""
+    pending = list(dict.fromkeys(_USER_REGISTRY))
+    _USER_REGISTRY.clear()
+    return pending
+
+
+def _active_handle():
+    handle = _amp_state.handle
+    return handle if handle is not None and handle.is_active() else None
+
+
+def _cast_decorator(dtype):
+    def decorator(fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            handle = _active_handle()
+            if handle is None:
+                return fn(*args, **kwargs)
+            cast = make_caster(fn.__name__, handle.verbose,
+                               handle._cache if handle.has_cache else None)
+            args, kwargs = cast_args(args, kwargs, dtype, cast)
+            return fn(*args, **kwargs)
+        return wrapper
+    return decorator
+
+
+half_function = _cast_decorator(torch.float16)
+half_function.__doc__ = "Decorator: run ``fn`` with fp16 arguments while amp casts are active."
+bfloat16_function = _cast_decorator(torch.bfloat16)
+bfloat16_function.__doc__ = "Decorator: run ``fn`` with bf16 arguments while amp casts are active."
+float_function = _cast_decorator(torch.float32)
+float_function.__doc__ = "Decorator: run ``fn`` with fp32 arguments while amp casts are active."
+
+
+def promote_function(fn):
+    """Decorator: run ``fn`` with its floating arguments cast to their widest type under amp."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        handle = _active_handle()
+        if handle is not None:
+            dtype = widest_type((*args, *kwargs.values()) if kwargs else args)
+            if dtype is not None:
+                args, kwargs = cast_args(args, kwargs, dtype, make_caster(fn.__name__,
+                                                                          handle.verbose))
+        return fn(*args, **kwargs)
+    return wrapper

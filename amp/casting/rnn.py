@@ -1,0 +1,104 @@
+"""Running nn.RNN / nn.GRU / nn.LSTM and the RNN cells in low precision.
+
+``torch.nn.modules.rnn`` calls its kernels through the module global ``_VF`` (``_VF.lstm(...)``,
+``_VF.gru_cell(...)``), so that global is replaced by a shim whose RNN entries are wrappers and
+whose other attributes forward to the real ``torch._VF``; ``torch._VF`` itself is never touched.
+The handle records the replacement, so ``_deactivate`` puts the real module back.
+"""
+import functools
+
+import torch
+from torch import Tensor
+
+from . import lists
+from ._cast import FLOATING, cast_args, make_caster
+from .wrap import make_cast_wrapper
+
+
+class _VFShim:
+    """Stands in for ``torch._VF`` inside ``torch.nn.modules.rnn``."""
+
+    def __init__(self, vf):
+        self._vf = vf
+
+    def __getattr__(self, name):
+        return getattr(self._vf, name)
+
+
+def _flat_cast(weights, dtype):
+    """Cast an RNN's weight list into views of one new buffer of ``dtype``.
+
+    cuDNN wants all weights in one contiguous buffer in its own layout; when the fp32 weights
+    already are (``flatten_parameters`` on CUDA) their offsets are kept, otherwise they are
+    packed in order. Each view is filled with ``copy_``, so gradients flow back into the fp32
+    weights.
+    """
+    if all(w.dtype is dtype for w in weights):
+        return weights
+    base = weights[0]
+    storage_ptr = base.untyped_storage().data_ptr()
+    if all(w.is_contiguous() and w.untyped_storage().data_ptr() == storage_ptr for w in weights):
+        offsets = [w.storage_offset() for w in weights]
+        size = base.untyped_storage().nbytes() // base.element_size()
+    else:
+        offsets, size = [], 0
+        for w in weights:
+            offsets.append(size)
+            size += w.numel()
+    flat = torch.empty(size, dtype=dtype, device=base.device)
+    views = []
+    for w, offset in zip(weights, offsets):
+        view = flat[offset:offset + w.numel()].view_as(w)
+        view.copy_(w)
+        views.append(view)
+    return views
+
+
+def _make_rnn_wrapper(orig, name, handle, dtype):
+    cast = make_caster(name, handle.verbose)
+
+    @functools.wraps(orig)
+    def wrapper(*args, **kwargs):
+        if not handle._is_active:
+            return orig(*args, **kwargs)
+        # (input, hx, weights, ...) or, for a PackedSequence, (data, batch_sizes, hx, weights, ...):
+        # batch_sizes is the only integer tensor in either signature.
+        packed = isinstance(args[1], Tensor) and args[1].dtype not in FLOATING
+        w = 3 if packed else 2
+        args = list(args)
+        weights = _flat_cast(args[w], dtype)
+        args[w] = []  # keep the weight list out of the generic cast below
+        args, kwargs = cast_args(args, kwargs, dtype, cast)
+        args[w] = weights
+        return orig(*args, **kwargs)
+    return wrapper
+
+
+def _make_check_input_wrapper(orig, handle):
+    # RNNBase.check_input rejects an input whose dtype differs from the weights' unless
+    # torch.autocast is on. Under amp the kernels get matching dtypes anyway, so the check is
+    # run on a shape-only stand-in that carries the weights' dtype.
+    @functools.wraps(orig)
+    def check_input(self, input, batch_sizes):
+        weight_dtype = self._flat_weights[0].dtype
+        if handle._is_active and input.dtype is not weight_dtype and input.dtype in FLOATING:
+            input = torch.empty(input.shape, dtype=weight_dtype, device="meta")
+        return orig(self, input, batch_sizes)
+    return check_input
+
+
+def install(handle, dtype):
+    """Patch the RNN entry points of ``torch.nn.modules.rnn`` for ``handle``."""
+    rnn_module = torch.nn.modules.rnn
+    shim = _VFShim(rnn_module._VF)
+    for name in lists.RNN_FUNCTIONS:
+        if hasattr(shim, name):
+            setattr(shim, name, _make_rnn_wrapper(getattr(shim, name), name, handle, dtype))
+    for name in lists.RNN_CELLS:
+        if hasattr(shim, name):
+            setattr(shim, name, make_cast_wrapper(getattr(shim, name), name, handle, dtype,
+                                                  try_caching=True))
+    handle._save_func(rnn_module, "_VF", shim)
+    base = rnn_module.RNNBase
+    if hasattr(base, "check_input"):
+        handle._save_func(base, "check_input", _make_check_input_wrapper(base.check_input, handle))

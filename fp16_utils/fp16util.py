@@ -1,0 +1,228 @@
+"""Helpers for hand-written mixed-precision training: converting networks to a low-precision
+dtype while keeping batch norm in fp32, and keeping fp32 master copies of low-precision params."""
+import torch
+import torch.nn as nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from ._deprecation import deprecated_warning
+
+__all__ = [
+    "tofp16",
+    "BN_convert_float",
+    "network_to_half",
+    "convert_module",
+    "convert_network",
+    "FP16Model",
+    "prep_param_lists",
+    "model_grads_to_master_grads",
+    "master_params_to_model_params",
+    "to_python_float",
+    "clip_grad_norm",
+]
+
+LOW_PRECISION_DTYPES = (torch.float16, torch.bfloat16)
+# Params of these dtypes may be managed: low-precision ones get fp32 masters, fp32 ones are their own.
+SUPPORTED_PARAM_DTYPES = LOW_PRECISION_DTYPES + (torch.float32,)
+
+
+def check_param_dtypes(params, where):
+    """Raise ``TypeError`` unless every param is a tensor of a dtype that fp32 masters can serve."""
+    for i, p in enumerate(params):
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"{where}: parameter {i} is a {type(p).__name__}, not a tensor; "
+                            "pass the model's parameters (e.g. model.parameters()).")
+        if p.dtype not in SUPPORTED_PARAM_DTYPES:
+            raise TypeError(
+                f"{where}: parameter {i} (shape {tuple(p.shape)}) has dtype {p.dtype}; wrapped "
+                "parameters must be torch.float16 or torch.bfloat16 (they get fp32 master copies) "
+                "or torch.float32 (kept as they are). Convert the model first, e.g. with "
+                "convert_network(model, torch.float16).")
+
+
+def _check_module(module, where):
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"{where} expects a torch.nn.Module, got {type(module).__name__}.")
+
+
+def _check_float_dtype(dtype, where):
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"{where}: dtype must be a floating-point torch.dtype such as "
+                        f"torch.float16 or torch.bfloat16, got {dtype!r}.")
+
+
+def _check_flag(value, name, where):
+    if not isinstance(value, bool):
+        raise TypeError(f"{where}: {name} must be True or False, got {value!r}.")
+
+
+def _check_param_pairs(model_params, master_params, flat_master, where):
+    _check_flag(flat_master, "flat_master", where)
+    model_params, master_params = list(model_params), list(master_params)
+    if flat_master:
+        if len(master_params) != 1:
+            raise ValueError(f"{where}: with flat_master=True, master_params must hold the single "
+                             f"flat master from prep_param_lists(model, flat_master=True), got "
+                             f"{len(master_params)} tensors.")
+        numel = sum(p.numel() for p in model_params)
+        if master_params[0].numel() != numel:
+            raise ValueError(f"{where}: the flat master has {master_params[0].numel()} elements but "
+                             f"the model params have {numel}; pass the lists prep_param_lists returned.")
+    elif len(model_params) != len(master_params):
+        raise ValueError(f"{where}: got {len(model_params)} model params but {len(master_params)} "
+                         "master params; pass the two lists prep_param_lists returned.")
+    return model_params, master_params
+
+
+class tofp16(nn.Module):
+    """A layer that casts its input to half, used as the first layer by ``network_to_half``."""
+
+    def forward(self, input):
+        if not isinstance(input, torch.Tensor):
+            raise TypeError(f"tofp16 expects a tensor input, got {type(input).__name__}.")
+        return input.half()
+
+
+def BN_convert_float(module):
+    """Cast every affine batch norm inside ``module`` back to fp32 (its statistics need the range)."""
+    _check_module(module, "BN_convert_float")
+    for m in module.modules():
+        if isinstance(m, _BatchNorm) and m.affine:
+            m.float()
+    return module
+
+
+def network_to_half(network):
+    """Legacy: ``nn.Sequential(tofp16(), network.half())`` with affine batch norm kept in fp32.
+
+    Prefer ``FP16Model`` or ``convert_network``, which also keep the batch-norm buffers in fp32.
+    """
+    _check_module(network, "network_to_half")
+    return nn.Sequential(tofp16(), BN_convert_float(network.half()))
+
+
+def convert_module(module, dtype):
+    """Convert the floating-point params, grads and buffers of ``module`` itself (not its
+    children) to ``dtype``, keeping the Parameter objects so optimizers still hold them."""
+    _check_module(module, "convert_module")
+    _check_float_dtype(dtype, "convert_module")
+    for param in module.parameters(recurse=False):
+        if param.dtype.is_floating_point:
+            param.data = param.data.to(dtype)
+        if param._grad is not None and param._grad.dtype.is_floating_point:
+            param._grad.data = param._grad.data.to(dtype)
+    for buf in module.buffers(recurse=False):
+        if buf.dtype.is_floating_point:
+            buf.data = buf.data.to(dtype)
+    return module
+
+
+def convert_network(network, dtype):
+    """Convert ``network`` to ``dtype`` in place, except affine batch norm, which stays fp32.
+
+    Non-affine batch norm is converted, running statistics included, as Apex did.
+    """
+    _check_module(network, "convert_network")
+    _check_float_dtype(dtype, "convert_network")
+    for module in network.modules():
+        if isinstance(module, _BatchNorm) and module.affine:
+            continue
+        convert_module(module, dtype)
+        if isinstance(module, nn.RNNBase):
+            module.flatten_parameters()
+    return network
+
+
+class FP16Model(nn.Module):
+    """Wrap ``network`` converted by ``convert_network(network, dtype)``; ``forward`` casts its
+    floating-point inputs to ``dtype`` (integer inputs such as token ids pass through unchanged).
+
+    ``dtype`` is torch.float16 (Apex's only choice) or torch.bfloat16.
+    """
+
+    def __init__(self, network, *, dtype=torch.float16):
+        deprecated_warning("apex.fp16_utils is deprecated and will be removed. "
+                           "Use amp.initialize with opt_level='O2' (or 'O5' for bfloat16) instead.")
+        super().__init__()
+        _check_module(network, "FP16Model")
+        if dtype not in LOW_PRECISION_DTYPES:
+            raise TypeError(f"FP16Model: dtype must be torch.float16 or torch.bfloat16, got {dtype!r}.")
+        self.dtype = dtype
+        self.network = convert_network(network, dtype)
+
+    def forward(self, *inputs):
+        cast = []
+        for i, t in enumerate(inputs):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"FP16Model.forward takes tensors only; input {i} is a "
+                                f"{type(t).__name__}. Call the wrapped .network directly for other inputs.")
+            cast.append(t.to(self.dtype) if t.is_floating_point() else t)
+        return self.network(*cast)
+
+
+def prep_param_lists(model, flat_master=False):
+    """Return ``(model_params, master_params)``: the params of ``model`` that require grad, and
+    fp32 copies of them (one flat fp32 Parameter with ``flat_master=True``) for the optimizer."""
+    _check_module(model, "prep_param_lists")
+    _check_flag(flat_master, "flat_master", "prep_param_lists")
+    model_params = [p for p in model.parameters() if p.requires_grad]
+    check_param_dtypes(model_params, "prep_param_lists")
+    if not model_params:
+        raise ValueError("prep_param_lists: the model has no parameters with requires_grad=True, "
+                         "so there is nothing to keep fp32 master copies of.")
+    if flat_master:
+        devices = {p.device for p in model_params}
+        if len(devices) > 1:
+            raise ValueError(f"prep_param_lists: flat_master=True needs every param on one device, "
+                             f"found {sorted(str(d) for d in devices)}; use flat_master=False.")
+        flat = _flatten_dense_tensors([p.detach() for p in model_params]).float()
+        master = nn.Parameter(flat)
+        master.grad = torch.zeros_like(master)
+        return model_params, [master]
+    master_params = [nn.Parameter(p.detach().to(torch.float32, copy=True)) for p in model_params]
+    return model_params, master_params
+
+
+def model_grads_to_master_grads(model_params, master_params, flat_master=False):
+    """Copy the model grads into the fp32 master grads (a model param without a grad leaves its
+    master without one). The copy does not unscale: divide by the loss scale afterwards."""
+    where = "model_grads_to_master_grads"
+    model_params, master_params = _check_param_pairs(model_params, master_params, flat_master, where)
+    if flat_master:
+        missing = [i for i, p in enumerate(model_params) if p.grad is None]
+        if missing:
+            raise ValueError(f"{where}: with flat_master=True every model param needs a grad, but "
+                             f"params {missing} have none; run backward first or use flat_master=False.")
+        master = master_params[0]
+        if master.grad is None:
+            master.grad = torch.empty_like(master)
+        master.grad.copy_(_flatten_dense_tensors([p.grad for p in model_params]))
+        return
+    for model, master in zip(model_params, master_params):
+        if model.grad is None:
+            master.grad = None
+            continue
+        if master.grad is None:
+            master.grad = torch.empty_like(master)
+        master.grad.copy_(model.grad)
+
+
+def master_params_to_model_params(model_params, master_params, flat_master=False):
+    """Copy the fp32 masters into the model params, rounding to the model's dtype."""
+    where = "master_params_to_model_params"
+    model_params, master_params = _check_param_pairs(model_params, master_params, flat_master, where)
+    if flat_master:
+        master_params = _unflatten_dense_tensors(master_params[0].detach(), model_params)
+    with torch.no_grad():
+        for model, master in zip(model_params, master_params):
+            model.copy_(master)
+
+
+def to_python_float(t):
+    """``t.item()`` for tensors; ``t[0]`` for the one-element sequences old code passed."""
+    if hasattr(t, "item"):
+        return t.item()
+    return t[0]
+
+
+clip_grad_norm = torch.nn.utils.clip_grad_norm_

@@ -1,0 +1,102 @@
+"""The legacy loss scalers of ``fp16_utils``: static ``LossScaler`` and ``DynamicLossScaler``.
+
+``FP16_Optimizer`` does not use these (it uses ``amp.scaler.LossScaler``, as Apex did); they are
+kept for hand-written loops that scale, check and update the scale themselves.
+"""
+import math
+import numbers
+
+import torch
+
+from ._deprecation import deprecated_warning
+
+__all__ = ["LossScaler", "DynamicLossScaler"]
+
+
+def _check_positive_number(value, name, where, minimum=0.0, inclusive=False):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise TypeError(f"{where}: {name} must be a finite real number, got {value!r}.")
+    if value < minimum or (value == minimum and not inclusive):
+        bound = ">=" if inclusive else ">"
+        raise ValueError(f"{where}: {name} must be {bound} {minimum}, got {value!r}.")
+
+
+class _ScalerBase:
+    """What both scalers share: scaling the loss, the grads of a backward hook, and the scale."""
+
+    @property
+    def loss_scale(self):
+        return self.cur_scale
+
+    def scale_gradient(self, module, grad_in, grad_out):
+        """A module backward hook that multiplies the incoming grads by the scale."""
+        return tuple(self.loss_scale * g for g in grad_in)
+
+    def backward(self, loss, retain_graph=False):
+        """Run ``(loss * scale).backward()``; the grads come out multiplied by the scale."""
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(f"backward expects the loss tensor, got {type(loss).__name__}.")
+        scaled_loss = loss * self.loss_scale
+        scaled_loss.backward(retain_graph=retain_graph)
+
+
+class LossScaler(_ScalerBase):
+    """A static loss scale: ``cur_scale`` never changes and overflow is never reported."""
+
+    def __init__(self, scale=1):
+        deprecated_warning("fp16_utils.LossScaler is deprecated and will be removed. "
+                           "Use amp.initialize and amp.scale_loss instead.")
+        _check_positive_number(scale, "scale", "LossScaler")
+        self.cur_scale = scale
+
+    def has_overflow(self, params):
+        return False
+
+    @staticmethod
+    def _has_inf_or_nan(x):
+        return False
+
+    def update_scale(self, overflow):
+        pass
+
+
+class DynamicLossScaler(_ScalerBase):
+    """A loss scale that is divided by ``scale_factor`` (never below 1) when the grads overflow,
+    and multiplied by it after ``scale_window`` iterations without overflow.
+
+    As in Apex the first growth comes at iteration ``scale_window - 1`` (counting from 0), because
+    the last overflow is taken to have happened at iteration -1.
+    """
+
+    def __init__(self, init_scale=2**32, scale_factor=2., scale_window=1000):
+        where = "DynamicLossScaler"
+        _check_positive_number(init_scale, "init_scale", where)
+        _check_positive_number(scale_factor, "scale_factor", where, minimum=1.0)
+        if isinstance(scale_window, bool) or not isinstance(scale_window, numbers.Integral):
+            raise TypeError(f"{where}: scale_window must be an int, got {scale_window!r}.")
+        if scale_window < 1:
+            raise ValueError(f"{where}: scale_window must be >= 1 (iterations between growths), "
+                             f"got {scale_window}.")
+        self.cur_scale = init_scale
+        self.cur_iter = 0
+        self.last_overflow_iter = -1
+        self.scale_factor = scale_factor
+        self.scale_window = scale_window
+
+    def has_overflow(self, params):
+        """True if any param's grad holds an inf or a NaN."""
+        return any(p.grad is not None and DynamicLossScaler._has_inf_or_nan(p.grad) for p in params)
+
+    @staticmethod
+    def _has_inf_or_nan(x):
+        # isfinite rather than Apex's float sum: a sum of large finite bf16 values can itself
+        # overflow fp32 and would be mistaken for an overflow of the grads.
+        return not bool(torch.isfinite(x).all())
+
+    def update_scale(self, overflow):
+        if overflow:
+            self.cur_scale = max(self.cur_scale / self.scale_factor, 1)
+            self.last_overflow_iter = self.cur_iter
+        elif (self.cur_iter - self.last_overflow_iter) % self.scale_window == 0:
+            self.cur_scale *= self.scale_factor
+        self.cur_iter += 1

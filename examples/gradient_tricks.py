@@ -35,6 +35,12 @@ def build(seed, device):
     return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
 
+def build_with_amp(args, seed=None, **amp_options):
+    """``build`` followed by ``amp.initialize`` at the chosen opt level."""
+    model, optimizer = build(args.seed if seed is None else seed, args.device)
+    return amp.initialize(model, optimizer, opt_level=args.opt_level, verbosity=0, **amp_options)
+
+
 class Batches:
     """Mini-batch ``step`` is a pure function of (seed, step), so a resumed run sees exactly the
     batches the uninterrupted run saw."""
@@ -50,8 +56,7 @@ class Batches:
 
 
 def clip_gradients(args, batches, max_norm=1.0):
-    model, optimizer = amp.initialize(*build(args.seed, args.device), opt_level=args.opt_level,
-                                      verbosity=0)
+    model, optimizer = build_with_amp(args)
     losses = []
     for step in range(args.steps):
         inputs, targets = batches(step)
@@ -71,8 +76,7 @@ def clip_gradients(args, batches, max_norm=1.0):
 
 
 def gradient_penalty(args, batches, weight=0.1):
-    model, optimizer = amp.initialize(*build(args.seed, args.device), opt_level=args.opt_level,
-                                      verbosity=0)
+    model, optimizer = build_with_amp(args)
     params = [p for p in model.parameters() if p.requires_grad]
     losses = []
     for step in range(args.steps):
@@ -84,7 +88,8 @@ def gradient_penalty(args, batches, weight=0.1):
         scale = amp._amp_state.loss_scalers[0].loss_scale()
         scaled_grads = torch.autograd.grad(loss.float() * scale, params, create_graph=True)
         inv_scale = 1.0 / scale
-        grad_norm = torch.stack([(g * inv_scale).float().pow(2).sum() for g in scaled_grads]).sum().sqrt()
+        squares = [(g * inv_scale).float().pow(2).sum() for g in scaled_grads]
+        grad_norm = torch.stack(squares).sum().sqrt()
         optimizer.zero_grad()
         with amp.scale_loss(loss + weight * grad_norm, optimizer) as scaled_loss:
             scaled_loss.backward()
@@ -94,8 +99,7 @@ def gradient_penalty(args, batches, weight=0.1):
 
 
 def accumulate(args, batches, micro_batches=4):
-    model, optimizer = amp.initialize(*build(args.seed, args.device), opt_level=args.opt_level,
-                                      verbosity=0)
+    model, optimizer = build_with_amp(args)
     losses = []
     for step in range(args.steps):
         optimizer.zero_grad()
@@ -154,9 +158,8 @@ def _train(model, optimizer, batches, steps):
 def checkpoint_resume(args, batches):
     # A short growth interval makes the dynamic loss scale move during the run, so restoring it
     # (and its growth counter) matters for the resumed run to match.
-    amp_options = dict(opt_level=args.opt_level, growth_interval=7, verbosity=0)
     half = args.steps // 2
-    model, optimizer = amp.initialize(*build(args.seed, args.device), **amp_options)
+    model, optimizer = build_with_amp(args, growth_interval=7)
     losses = _train(model, optimizer, batches, range(half))
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "checkpoint.pt")
@@ -166,8 +169,7 @@ def checkpoint_resume(args, batches):
         final_params = [p.detach().clone() for p in amp.master_params(optimizer)]
 
         # A "new process": different initial weights, then initialize, THEN load all three.
-        resumed_model, resumed_optimizer = amp.initialize(*build(args.seed + 1, args.device),
-                                                          **amp_options)
+        resumed_model, resumed_optimizer = build_with_amp(args, seed=args.seed + 1, growth_interval=7)
         checkpoint = torch.load(path, weights_only=True)  # plain tensors and numbers only
     resumed_model.load_state_dict(checkpoint["model"])
     resumed_optimizer.load_state_dict(checkpoint["optimizer"])

@@ -11,10 +11,14 @@ import numpy as np
 import torch
 
 OPT_LEVELS = ("O0", "O1", "O2", "O3", "O4", "O5")
+TEST_FRACTION = 0.2
+# load_digits() holds 1797 images; a 0.2 test split leaves these for training. Known up front so
+# that argparse can reject a batch size no epoch could fill.
+TRAIN_SIZE = 1437
 
 
-def load_digits_split(seed, test_fraction=0.2, value_range=(0.0, 1.0)):
-    """Return ``x_train, y_train, x_test, y_test`` as CPU tensors.
+def load_digits_split(seed, value_range=(0.0, 1.0)):
+    """Return ``x_train, y_train, x_test, y_test`` as CPU tensors (``TRAIN_SIZE`` training images).
 
     Images are float32 of shape (N, 1, 8, 8) scaled to ``value_range`` (the raw pixels are 0..16);
     labels are int64. The split is stratified and fixed by ``seed``.
@@ -26,7 +30,7 @@ def load_digits_split(seed, test_fraction=0.2, value_range=(0.0, 1.0)):
     low, high = value_range
     images = digits.images.astype(np.float32) / 16.0 * (high - low) + low
     x_train, x_test, y_train, y_test = train_test_split(
-        images, digits.target, test_size=test_fraction, random_state=seed, stratify=digits.target)
+        images, digits.target, test_size=TEST_FRACTION, random_state=seed, stratify=digits.target)
 
     def to_tensors(x, y):
         return torch.from_numpy(x).unsqueeze(1), torch.from_numpy(y).long()
@@ -59,6 +63,16 @@ def positive_int(text):
     return value
 
 
+def seed_arg(text):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer seed, got {text!r}") from None
+    if not 0 <= value < 2**32:  # what numpy and scikit-learn accept
+        raise argparse.ArgumentTypeError(f"expected a seed in [0, 2**32), got {value}")
+    return value
+
+
 def positive_float(text):
     try:
         value = float(text)
@@ -67,6 +81,21 @@ def positive_float(text):
     if not value > 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"expected a positive finite number, got {text}")
     return value
+
+
+def batch_size_arg(shards=1):
+    """An argparse type for ``--batch-size``: positive, and no larger than one shard of the
+    training set, so every epoch has at least one full batch."""
+    limit = TRAIN_SIZE // shards
+
+    def parse(text):
+        value = positive_int(text)
+        if value > limit:
+            raise argparse.ArgumentTypeError(
+                f"{value} is more than the {limit} training images" + (" per process" if shards > 1 else ""))
+        return value
+
+    return parse
 
 
 def device_arg(text):
@@ -97,7 +126,7 @@ def add_common_args(parser, default_opt_level):
                              f"(default {default_opt_level})")
     parser.add_argument("--device", type=device_arg, default=default_device(),
                         help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
-    parser.add_argument("--seed", type=int, default=0, help="seed for the split, init and order")
+    parser.add_argument("--seed", type=seed_arg, default=0, help="seed for the split, init and order")
     parser.add_argument("--smoke", action="store_true",
                         help="a few steps only; exit with status 1 unless the loss fell")
 

@@ -192,7 +192,7 @@ def parse_args(argv=None):
     common.add_common_args(parser, default_opt_level="O2")
     parser.add_argument("--steps", type=common.positive_int, default=150,
                         help="optimizer steps per workflow (--smoke: 30)")
-    parser.add_argument("--batch-size", type=common.positive_int, default=32)
+    parser.add_argument("--batch-size", type=common.batch_size_arg(), default=32)
     parser.add_argument("--only", choices=TRICKS, action="append",
                         help="run just this workflow (repeatable; default: all)")
     args = parser.parse_args(argv)

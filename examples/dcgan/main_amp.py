@@ -71,7 +71,7 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     common.add_common_args(parser, default_opt_level="O1")
     parser.add_argument("--epochs", type=common.positive_int, default=10)
-    parser.add_argument("--batch-size", type=common.positive_int, default=64)
+    parser.add_argument("--batch-size", type=common.batch_size_arg(), default=64)
     parser.add_argument("--nz", type=common.positive_int, default=16, help="size of the latent vector")
     parser.add_argument("--ngf", type=common.positive_int, default=16, help="generator width")
     parser.add_argument("--ndf", type=common.positive_int, default=16, help="discriminator width")

@@ -47,7 +47,7 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     common.add_common_args(parser, default_opt_level="O2")
     parser.add_argument("--epochs", type=common.positive_int, default=8)
-    parser.add_argument("--batch-size", type=common.positive_int, default=32)
+    parser.add_argument("--batch-size", type=common.batch_size_arg(), default=32)
     parser.add_argument("--lr", type=common.positive_float, default=0.05)
     parser.add_argument("--plot", metavar="PNG", help="save loss and loss-scale curves to this file")
     return parser.parse_args(argv)

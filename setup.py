@@ -36,7 +36,8 @@ def _env_flag(name):
     return os.environ.get(name, "0").strip().lower() in ("1", "true", "yes", "on")
 
 
-def _find_nvcc():
+def _find_cuda():
+    """(nvcc, CUDA home): from $CUDA_HOME, else the nvcc on PATH (which may be a wrapper script)."""
     cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
     nvcc = Path(cuda_home, "bin", "nvcc") if cuda_home else shutil.which("nvcc")
     if nvcc is None or not Path(nvcc).exists():
@@ -44,7 +45,11 @@ def _find_nvcc():
             "AMP_CUDA_EXT=1 needs the CUDA compiler: nvcc was not found on PATH or in $CUDA_HOME/bin. "
             "Install the CUDA toolkit or set CUDA_HOME; use AMP_CPP_EXT=1 alone for the CPU kernels."
         )
-    return Path(nvcc).resolve()
+    homes = [Path(cuda_home)] if cuda_home else [Path(nvcc).resolve().parent.parent, Path("/usr/local/cuda")]
+    home = next((h for h in homes if (h / "include" / "cuda_runtime.h").exists()), None)
+    if home is None:
+        raise RuntimeError(f"found {nvcc} but no CUDA toolkit (include/cuda_runtime.h) in {homes}; set CUDA_HOME")
+    return Path(nvcc), home
 
 
 def _nvcc_version(nvcc):
@@ -125,9 +130,8 @@ def _amp_C_extension(with_cuda):
     include_dirs = [str(CSRC)]
     nvcc = None
     if with_cuda:
-        nvcc = _find_nvcc()
+        nvcc, cuda_home = _find_cuda()
         _check_cuda_major(torch, _nvcc_version(nvcc))
-        cuda_home = nvcc.parent.parent
         cxx_flags.append("-DAMP_WITH_CUDA_KERNELS")
         if torch.version.cuda is not None:
             cxx_flags.append("-DAMP_WITH_TORCH_CUDA")

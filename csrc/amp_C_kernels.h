@@ -61,7 +61,7 @@ void multi_tensor_l2norm_cpu(int64_t chunk_size, Flag flag, const TensorLists& l
                              Scalar inv_scale, bool respect_flag, NormOutputs out);
 void update_scale_hysteresis_cpu(float* current_scale, int32_t* growth_tracker,
                                  int32_t* hysteresis_tracker, const float* found_inf,
-                                 float growth_factor, float backoff_factor,
+                                 double growth_factor, double backoff_factor,
                                  int32_t growth_interval, int32_t hysteresis);
 
 // CUDA launchers (csrc/*.cu); `stream` is the caller's cudaStream_t, all pointers are device
@@ -74,7 +74,7 @@ void multi_tensor_l2norm_cuda(int64_t chunk_size, Flag flag, const TensorLists& 
                               Scalar inv_scale, bool respect_flag, NormOutputs out, void* stream);
 void update_scale_hysteresis_cuda(float* current_scale, int32_t* growth_tracker,
                                   int32_t* hysteresis_tracker, const float* found_inf,
-                                  float growth_factor, float backoff_factor,
+                                  double growth_factor, double backoff_factor,
                                   int32_t growth_interval, int32_t hysteresis, void* stream);
 
 }  // namespace amp_C

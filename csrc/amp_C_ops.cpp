@@ -1,7 +1,8 @@
 // Argument checks and device dispatch for the amp_C operations (declared in amp_C_ops.h).
 //
-// Apex checked only the first tensor of each list; here every tensor's dtype, device, layout and
-// size is checked, and the error names the list and index. The CUDA path is compiled only when
+// Apex checked only the first tensor of each list; here every tensor's dtype, device, density and
+// size is checked, and the error names the list and index. Like Apex and the pure-torch fallback,
+// tensors are walked as flat storage: elements pair up in memory order, whatever the layout. The CUDA path is compiled only when
 // amp_C has CUDA kernels (AMP_WITH_CUDA_KERNELS) and PyTorch has CUDA (AMP_WITH_TORCH_CUDA):
 // the current stream must come from PyTorch, whose CUDA headers a CPU-only build lacks.
 #include "amp_C_ops.h"
@@ -28,7 +29,7 @@ DType float_dtype(const at::Tensor& t, const char* op, const std::string& what) 
     case at::kHalf: return DType::Float16;
     case at::kBFloat16: return DType::BFloat16;
     default:
-      TORCH_CHECK(false, op, ": ", what, " has dtype ", t.scalar_type(),
+      TORCH_CHECK_VALUE(false, op, ": ", what, " has dtype ", t.scalar_type(),
                   "; amp_C supports float32, float16 and bfloat16");
   }
 }
@@ -40,28 +41,28 @@ std::string where(size_t list, size_t index) {
 // Checks `tensor_lists` and returns its raw view. Zero tensors give an empty view (a no-op).
 TensorLists view_lists(const char* op, int64_t chunk_size, const at::Tensor& noop_flag,
                        const TensorListList& tensor_lists, size_t depth, const char* lists_doc) {
-  TORCH_CHECK(chunk_size > 0, op, ": chunk_size must be positive, got ", chunk_size);
-  TORCH_CHECK(tensor_lists.size() == depth, op, " expects ", depth, " tensor lists ", lists_doc,
+  TORCH_CHECK_VALUE(chunk_size > 0, op, ": chunk_size must be positive, got ", chunk_size);
+  TORCH_CHECK_VALUE(tensor_lists.size() == depth, op, " expects ", depth, " tensor lists ", lists_doc,
               ", got ", tensor_lists.size());
   TensorLists lists;
   lists.depth = static_cast<int>(depth);
   const size_t n = tensor_lists[0].size();
   for (size_t k = 1; k < depth; ++k) {
-    TORCH_CHECK(tensor_lists[k].size() == n, op, ": tensor_lists[", k, "] has ",
+    TORCH_CHECK_VALUE(tensor_lists[k].size() == n, op, ": tensor_lists[", k, "] has ",
                 tensor_lists[k].size(), " tensors but tensor_lists[0] has ", n,
                 "; every list needs one tensor per parameter");
   }
-  TORCH_CHECK(noop_flag.numel() == 1 && (noop_flag.scalar_type() == at::kInt ||
+  TORCH_CHECK_VALUE(noop_flag.numel() == 1 && (noop_flag.scalar_type() == at::kInt ||
                                          noop_flag.scalar_type() == at::kFloat),
               op, ": noop_flag must be a 1-element int32 or float32 tensor, got ",
               noop_flag.scalar_type(), " with ", noop_flag.numel(), " elements");
   if (n == 0) return lists;
   const at::Tensor& first = tensor_lists[0][0];
-  TORCH_CHECK(first.device().is_cpu() || first.device().is_cuda(), op,
+  TORCH_CHECK_VALUE(first.device().is_cpu() || first.device().is_cuda(), op,
               ": tensors must be on CPU or CUDA, got ", first.device());
-  TORCH_CHECK(noop_flag.device() == first.device(), op, ": noop_flag is on ", noop_flag.device(),
+  TORCH_CHECK_VALUE(noop_flag.device() == first.device(), op, ": noop_flag is on ", noop_flag.device(),
               " but the tensors are on ", first.device(), "; create the flag on their device");
-  TORCH_CHECK(noop_flag.is_contiguous(), op, ": noop_flag must be contiguous");
+  TORCH_CHECK_VALUE(noop_flag.is_contiguous(), op, ": noop_flag must be contiguous");
   lists.numel.resize(n);
   for (size_t k = 0; k < depth; ++k) {
     lists.dtype[k] = float_dtype(tensor_lists[k][0], op, where(k, 0));
@@ -69,20 +70,17 @@ TensorLists view_lists(const char* op, int64_t chunk_size, const at::Tensor& noo
     for (size_t i = 0; i < n; ++i) {
       const at::Tensor& t = tensor_lists[k][i];
       const at::Tensor& t0 = tensor_lists[0][i];
-      TORCH_CHECK(t.device() == first.device(), op, ": ", where(k, i), " is on ", t.device(),
+      TORCH_CHECK_VALUE(t.device() == first.device(), op, ": ", where(k, i), " is on ", t.device(),
                   " but ", where(0, 0), " is on ", first.device(),
                   "; call once per device");
-      TORCH_CHECK(float_dtype(t, op, where(k, i)) == lists.dtype[k], op, ": ", where(k, i),
+      TORCH_CHECK_VALUE(float_dtype(t, op, where(k, i)) == lists.dtype[k], op, ": ", where(k, i),
                   " has dtype ", t.scalar_type(), " but ", where(k, 0), " has ",
                   tensor_lists[k][0].scalar_type(), "; a list must hold one dtype (group the "
                   "tensors by dtype and call once per group)");
-      TORCH_CHECK(t.numel() == t0.numel(), op, ": ", where(k, i), " has ", t.numel(),
+      TORCH_CHECK_VALUE(t.numel() == t0.numel(), op, ": ", where(k, i), " has ", t.numel(),
                   " elements but ", where(0, i), " has ", t0.numel());
-      TORCH_CHECK(t.layout() == at::kStrided && t.is_non_overlapping_and_dense(), op, ": ",
+      TORCH_CHECK_VALUE(t.layout() == at::kStrided && t.is_non_overlapping_and_dense(), op, ": ",
                   where(k, i), " is not dense (a view with gaps or overlaps); pass .contiguous()");
-      TORCH_CHECK(t.numel() <= 1 || t.strides() == t0.strides(), op, ": ", where(k, i),
-                  " has strides ", t.strides(), " but ", where(0, i), " has ", t0.strides(),
-                  "; their memory layouts (e.g. channels_last) must match");
       lists.ptr[k][i] = t.data_ptr();
     }
   }
@@ -101,11 +99,11 @@ Scalar scalar_of(const FloatArg& arg, const at::Device& device, const char* op,
                  const char* name) {
   if (const double* value = std::get_if<double>(&arg)) return {static_cast<float>(*value), nullptr};
   const at::Tensor& t = std::get<at::Tensor>(arg);
-  TORCH_CHECK(t.numel() == 1 && t.scalar_type() == at::kFloat, op, ": ", name,
+  TORCH_CHECK_VALUE(t.numel() == 1 && t.scalar_type() == at::kFloat, op, ": ", name,
               " must be a float or a 1-element float32 tensor, got a ", t.scalar_type(),
               " tensor with ", t.numel(), " elements");
   if (t.device().is_cpu()) return {t.item<float>(), nullptr};
-  TORCH_CHECK(t.device() == device, op, ": ", name, " is on ", t.device(),
+  TORCH_CHECK_VALUE(t.device() == device, op, ": ", name, " is on ", t.device(),
               " but the tensors are on ", device);
   return {0.f, t.data_ptr<float>()};
 }
@@ -240,9 +238,9 @@ at::Tensor update_scale_hysteresis(const at::Tensor& current_scale,
                                    int64_t hysteresis) {
   const char* op = "update_scale_hysteresis";
   const auto check = [&](const at::Tensor& t, at::ScalarType dtype, const char* name) {
-    TORCH_CHECK(t.numel() == 1 && t.scalar_type() == dtype, op, ": ", name, " must be a 1-element ",
+    TORCH_CHECK_VALUE(t.numel() == 1 && t.scalar_type() == dtype, op, ": ", name, " must be a 1-element ",
                 dtype, " tensor, got ", t.scalar_type(), " with ", t.numel(), " elements");
-    TORCH_CHECK(t.device() == current_scale.device(), op, ": ", name, " is on ", t.device(),
+    TORCH_CHECK_VALUE(t.device() == current_scale.device(), op, ": ", name, " is on ", t.device(),
                 " but current_scale is on ", current_scale.device());
   };
   check(current_scale, at::kFloat, "current_scale");
@@ -253,8 +251,8 @@ at::Tensor update_scale_hysteresis(const at::Tensor& current_scale,
   int32_t* growth = growth_tracker.data_ptr<int32_t>();
   int32_t* hyst = hysteresis_tracker.data_ptr<int32_t>();
   const float* inf = found_inf.data_ptr<float>();
-  const auto gf = static_cast<float>(growth_factor);
-  const auto bf = static_cast<float>(backoff_factor);
+  const double gf = growth_factor;
+  const double bf = backoff_factor;
   const auto gi = static_cast<int32_t>(growth_interval);
   const auto h = static_cast<int32_t>(hysteresis);
   on_device(

@@ -1,7 +1,8 @@
 // multi_tensor_l2norm and its variants: the L2 norm of a list (and of each tensor), optionally of
 // the values times an inverse scale (unscale_l2norm), optionally skipped when the flag is already
 // set (l2norm_mp). Each block writes its chunk's sum of squares into its own scratch slot, then
-// fixed-order reductions give per-tensor and total sums, so the result is deterministic.
+// fixed-order reductions give per-tensor and total sums, so the result is deterministic. The
+// flag is set when the total is not finite.
 #include "multi_tensor_apply.cuh"
 
 namespace amp_C {
@@ -27,10 +28,7 @@ struct SumSquaresFunctor {
       }
     });
     const float sum = block_sum(acc);
-    if (threadIdx.x == 0) {
-      chunk_sums[meta.chunk_base[chunk.slot] + chunk.chunk_idx] = sum;
-      if (!isfinite(sum)) raise_flag(flag);
-    }
+    if (threadIdx.x == 0) chunk_sums[meta.chunk_base[chunk.slot] + chunk.chunk_idx] = sum;
   }
 };
 
@@ -62,7 +60,10 @@ __global__ void __launch_bounds__(kBlockSize)
   float acc = 0.f;
   for (int64_t t = threadIdx.x; t < ntensors; t += blockDim.x) acc += out.tensor_sums[t];
   const float total = block_sum(acc);
-  if (threadIdx.x == 0) *out.total = sqrtf(total);
+  if (threadIdx.x == 0) {
+    *out.total = sqrtf(total);
+    if (!isfinite(*out.total)) raise_flag(flag);
+  }
 }
 
 }  // namespace

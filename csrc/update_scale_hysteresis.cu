@@ -1,4 +1,5 @@
 // update_scale_hysteresis: Apex's device-side loss-scale update, one thread, no host sync.
+// As in Apex, the fp32 scale is multiplied by a double factor and the product rounded once to fp32.
 #include "multi_tensor_apply.cuh"
 
 namespace amp_C {
@@ -6,7 +7,7 @@ namespace {
 
 __global__ void update_scale_hysteresis_kernel(float* current_scale, int32_t* growth_tracker,
                                                int32_t* hysteresis_tracker, const float* found_inf,
-                                               float growth_factor, float backoff_factor,
+                                               double growth_factor, double backoff_factor,
                                                int32_t growth_interval, int32_t hysteresis) {
   const bool overflow = *found_inf > 0.f;
   if (overflow) {
@@ -16,12 +17,12 @@ __global__ void update_scale_hysteresis_kernel(float* current_scale, int32_t* gr
       *growth_tracker = 0;
       return;
     }
-    *current_scale = __fmul_rn(*current_scale, backoff_factor);
+    *current_scale = __double2float_rn(__dmul_rn(*current_scale, backoff_factor));
     *growth_tracker = 0;
   } else {
     const int32_t successful = *growth_tracker + 1;
     if (successful == growth_interval) {
-      const float grown = __fmul_rn(*current_scale, growth_factor);
+      const float grown = __double2float_rn(__dmul_rn(*current_scale, growth_factor));
       if (isfinite(grown)) *current_scale = grown;
       *growth_tracker = 0;
     } else {
@@ -35,7 +36,7 @@ __global__ void update_scale_hysteresis_kernel(float* current_scale, int32_t* gr
 
 void update_scale_hysteresis_cuda(float* current_scale, int32_t* growth_tracker,
                                   int32_t* hysteresis_tracker, const float* found_inf,
-                                  float growth_factor, float backoff_factor,
+                                  double growth_factor, double backoff_factor,
                                   int32_t growth_interval, int32_t hysteresis, void* stream) {
   update_scale_hysteresis_kernel<<<1, 1, 0, static_cast<cudaStream_t>(stream)>>>(
       current_scale, growth_tracker, hysteresis_tracker, found_inf, growth_factor, backoff_factor,

@@ -1,5 +1,6 @@
 // CPU twin of multi_tensor_l2norm.cu: per-chunk sums of squares in parallel, then fixed-order
-// per-tensor and total reductions, so the result does not depend on the thread count.
+// per-tensor and total reductions (in fp64), so the result does not depend on the thread count.
+// The flag is set when the total is not finite.
 #include <cmath>
 
 #include "multi_tensor_apply_cpu.h"
@@ -54,13 +55,9 @@ void multi_tensor_l2norm_cpu(int64_t chunk_size, Flag flag, const TensorLists& l
     first_chunk[t + 1] = first_chunk[t] + (lists.numel[t] + chunk_size - 1) / chunk_size;
   }
   const float s = read_scalar(inv_scale);
-  std::atomic<bool> bad{false};
   for_each_piece(lists, chunk_size, [&](const Piece& p) {
-    const float sum = sum_squares_piece(lists, p, s);
-    out.chunk_sums[first_chunk[p.tensor] + p.begin / chunk_size] = sum;
-    if (non_finite(sum)) bad = true;
+    out.chunk_sums[first_chunk[p.tensor] + p.begin / chunk_size] = sum_squares_piece(lists, p, s);
   });
-  if (bad) raise_flag(flag);
   double total = 0.0;
   for (int64_t t = 0; t < ntensors; ++t) {
     double tensor_sum = 0.0;
@@ -70,6 +67,7 @@ void multi_tensor_l2norm_cpu(int64_t chunk_size, Flag flag, const TensorLists& l
     total += tensor_sum;
   }
   *out.total = static_cast<float>(std::sqrt(total));
+  if (non_finite(*out.total)) raise_flag(flag);
 }
 
 }  // namespace amp_C

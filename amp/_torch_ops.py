@@ -1,0 +1,296 @@
+"""Pure-PyTorch implementations of the ``amp_C`` multi-tensor ops.
+
+These run wherever PyTorch runs and are the fallback that ``amp.multi_tensor_apply`` uses when the
+``amp_C`` extension is not built (or does not support the tensors' device). Each op is a handful of
+``torch._foreach_*`` / ``torch._amp_foreach_non_finite_check_and_unscale_`` calls over the whole
+list, never a Python loop over elements. ``chunk_size`` is accepted for signature compatibility and
+ignored: there are no launches to chunk.
+
+Rounding contract (the compiled kernels must produce the same bits):
+
+* A Python-float ``scale``/``a``/``b`` is first rounded to fp32 (round to nearest even), exactly as a
+  C++ ``float`` parameter receives it; a tensor argument is already a 1-element fp32 tensor.
+* ``multi_tensor_scale``: ``out = (out_t)((float)in * scale)``: one fp32 multiply, rounded once to
+  the output dtype.
+* ``multi_tensor_axpby``: ``out = (out_t)(ax + by)`` with ``ax = a * (float)x`` and
+  ``by = b * (float)y`` each rounded to fp32 *before* the fp32 add. A fused multiply-add is not
+  allowed (compile the kernel with ``-fmad=false`` / ``-ffp-contract=off`` or use intrinsics).
+* ``update_scale_hysteresis``: ``scale * factor`` is computed in fp64 and rounded once to fp32
+  (Apex's kernel multiplies a float by a double); growth is stored only if that fp32 value is finite.
+* Elements are paired in memory order: ``in[i]`` and ``out[i]`` may differ in shape as long as their
+  numels match, and any non-overlapping, dense layout (contiguous, channels_last, a transposed
+  matrix...) is accepted, as the kernels see flat storage.
+* The l2norm family sums squares in fp32 but in a different order than a chunked kernel, so their
+  results agree with the kernels within a tolerance, not bitwise.
+
+Overflow flag: ``noop_flag`` is a 1-element int32 or fp32 tensor on the tensors' device. Ops only
+ever set it to 1, never clear it. ``multi_tensor_scale`` and ``multi_tensor_axpby`` set it when a
+checked *input* element is inf or NaN (an overflow created by the multiply is not detected); the norm
+ops set it when the fp32 sum of squares is not finite.
+"""
+import torch
+
+__all__ = [
+    "multi_tensor_scale",
+    "multi_tensor_axpby",
+    "multi_tensor_l2norm",
+    "multi_tensor_l2norm_mp",
+    "multi_tensor_unscale_l2norm",
+    "update_scale_hysteresis",
+]
+
+_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _is_dense(t):
+    """Whether ``t`` covers a gap-free block of storage (some permutation of its dims is contiguous)."""
+    if t.is_contiguous() or t.numel() == 0:
+        return True
+    expected = 1
+    for size, stride in sorted(zip(t.shape, t.stride()), key=lambda p: p[1]):
+        if size == 1:
+            continue
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _flat(t):
+    # A 1-D view in storage order: the order the compiled kernels walk, whatever the layout.
+    return t.as_strided((t.numel(),), (1,))
+
+
+def _check_lists(op, tensor_lists, names):
+    """Validate the lists and return their common device, or None when they hold no tensors."""
+    if len(tensor_lists) != len(names):
+        raise ValueError(
+            f"{op} expects {len(names)} tensor lists [{', '.join(names)}], got {len(tensor_lists)}"
+        )
+    lengths = [len(tensors) for tensors in tensor_lists]
+    if len(set(lengths)) != 1:
+        raise ValueError(
+            f"{op}: the tensor lists [{', '.join(names)}] have lengths {lengths}; "
+            "they must be equal (one tensor per list for every element)"
+        )
+    if lengths[0] == 0:
+        return None
+    device = tensor_lists[0][0].device
+    for k, tensors in enumerate(tensor_lists):
+        dtype = tensors[0].dtype
+        if dtype not in _SUPPORTED_DTYPES:
+            raise ValueError(
+                f"{op}: tensor_lists[{k}] ({names[k]}) has dtype {dtype}; "
+                "only float32, float16 and bfloat16 are supported"
+            )
+        for i, t in enumerate(tensors):
+            where = f"{op}: tensor_lists[{k}][{i}] ({names[k]})"
+            if t.dtype != dtype:
+                raise ValueError(
+                    f"{where} is {t.dtype} but tensor_lists[{k}][0] is {dtype}; every tensor in one "
+                    "list must share a dtype: group the tensors by dtype and call once per group"
+                )
+            if t.device != device:
+                raise ValueError(
+                    f"{where} is on {t.device} but tensor_lists[0][0] is on {device}; "
+                    "group the tensors by device and call once per device"
+                )
+            if t.numel() != tensor_lists[0][i].numel():
+                raise ValueError(
+                    f"{where} has {t.numel()} elements but tensor_lists[0][{i}] has "
+                    f"{tensor_lists[0][i].numel()}; tensors at the same index must have equal numel"
+                )
+            if t.layout != torch.strided or not _is_dense(t):
+                raise ValueError(
+                    f"{where} is not a dense strided tensor (a slice or an expanded view?); "
+                    "pass t.contiguous() instead"
+                )
+    return device
+
+
+def _check_flag(op, noop_flag, device):
+    if not isinstance(noop_flag, torch.Tensor) or noop_flag.numel() != 1 or noop_flag.dtype not in (
+        torch.int32,
+        torch.float32,
+    ):
+        raise ValueError(f"{op}: noop_flag must be a 1-element int32 or float32 tensor")
+    if noop_flag.device != device:
+        raise ValueError(
+            f"{op}: noop_flag is on {noop_flag.device} but the tensors are on {device}; "
+            "create the flag on the tensors' device"
+        )
+
+
+def _fp32_scalar(op, name, value, device):
+    """``value`` as a 0-dim fp32 tensor on ``device``, without a host-device synchronisation."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.dtype != torch.float32 or value.device != device:
+            raise ValueError(
+                f"{op}: {name} must be a Python number or a 1-element float32 tensor on {device}, "
+                f"got a {value.dtype} tensor of {value.numel()} elements on {value.device}"
+            )
+        return value.reshape(())
+    return torch.full((), float(value), dtype=torch.float32, device=device)
+
+
+def _flag_buffer(noop_flag):
+    # The fused check writes 1.0 into a float32 buffer; an int32 flag gets a float32 stand-in.
+    if noop_flag.dtype == torch.float32:
+        return noop_flag
+    return torch.zeros(1, dtype=torch.float32, device=noop_flag.device)
+
+
+def _merge_flag(noop_flag, found):
+    if found is not noop_flag:
+        noop_flag.masked_fill_((found > 0).view(noop_flag.shape), 1)
+
+
+def _fp32_copies(flat_tensors):
+    return [t.to(torch.float32, copy=True) for t in flat_tensors]
+
+
+def _scale_(fp32_tensors, scale, found):
+    """Multiply in place by ``scale``; with ``found``, also flag non-finite values (checked first)."""
+    if found is None:
+        torch._foreach_mul_(fp32_tensors, scale)
+    else:
+        torch._amp_foreach_non_finite_check_and_unscale_(fp32_tensors, found, scale)
+
+
+def multi_tensor_scale(chunk_size, noop_flag, tensor_lists, scale):
+    """``out = float(in) * scale`` for ``tensor_lists = [in, out]``; flags non-finite inputs."""
+    op = "multi_tensor_scale"
+    device = _check_lists(op, tensor_lists, ("in", "out"))
+    if device is None:
+        return
+    _check_flag(op, noop_flag, device)
+    scale = _fp32_scalar(op, "scale", scale, device)
+    ins = [_flat(t) for t in tensor_lists[0]]
+    outs = [_flat(t) for t in tensor_lists[1]]
+    found = _flag_buffer(noop_flag)
+    with torch.no_grad():
+        if tensor_lists[1][0].dtype == torch.float32:
+            # Widening into an fp32 output is exact, so the output can be the fp32 workspace.
+            torch._foreach_copy_(outs, ins)
+            _scale_(outs, scale, found)
+        else:
+            work = _fp32_copies(ins)
+            _scale_(work, scale, found)
+            torch._foreach_copy_(outs, work)
+    _merge_flag(noop_flag, found)
+
+
+def multi_tensor_axpby(chunk_size, noop_flag, tensor_lists, a, b, arg_to_check):
+    """``out = a*float(x) + b*float(y)`` for ``tensor_lists = [x, y, out]``.
+
+    ``arg_to_check``: -1 flags non-finite values in x and y, 0 only in x, 1 only in y, anything
+    else checks nothing.
+    """
+    op = "multi_tensor_axpby"
+    device = _check_lists(op, tensor_lists, ("x", "y", "out"))
+    if device is None:
+        return
+    _check_flag(op, noop_flag, device)
+    a = _fp32_scalar(op, "a", a, device)
+    b = _fp32_scalar(op, "b", b, device)
+    xs, ys, outs = ([_flat(t) for t in tensors] for tensors in tensor_lists)
+    found = _flag_buffer(noop_flag)
+    out_is_fp32 = tensor_lists[2][0].dtype == torch.float32
+    with torch.no_grad():
+        # b*y goes into a private buffer first, so an output aliasing y is read before it is written.
+        by = _fp32_copies(ys)
+        _scale_(by, b, found if arg_to_check in (-1, 1) else None)
+        if out_is_fp32:
+            torch._foreach_copy_(outs, xs)
+            ax = outs
+        else:
+            ax = _fp32_copies(xs)
+        _scale_(ax, a, found if arg_to_check in (-1, 0) else None)
+        torch._foreach_add_(ax, by)
+        if not out_is_fp32:
+            torch._foreach_copy_(outs, ax)
+    _merge_flag(noop_flag, found)
+
+
+def _norm_results(op, noop_flag, tensor_lists, inv_scale, per_tensor, skip_if_flagged):
+    """Shared body of the l2norm ops: (total [1], per-tensor [n] or [0]), both fp32."""
+    device = _check_lists(op, tensor_lists, ("x",))
+    if device is None:
+        empty = torch.zeros(0, dtype=torch.float32, device=noop_flag.device)
+        return torch.zeros(1, dtype=torch.float32, device=noop_flag.device), empty
+    _check_flag(op, noop_flag, device)
+    xs = [_flat(t) for t in tensor_lists[0]]
+    with torch.no_grad():
+        if inv_scale is not None:
+            xs = _fp32_copies(xs)
+            torch._foreach_mul_(xs, _fp32_scalar(op, "inv_scale", inv_scale, device))
+        norms = torch.stack(torch._foreach_norm(xs, 2, dtype=torch.float32))
+        total = torch.linalg.vector_norm(norms).reshape(1)
+        if skip_if_flagged:
+            # Decided on the device: reading the flag on the host would synchronise.
+            already_flagged = (noop_flag != 0).view(1)
+            total = total.masked_fill(already_flagged, 0)
+            norms = norms.masked_fill(already_flagged, 0)
+        noop_flag.masked_fill_((~torch.isfinite(total)).view(noop_flag.shape), 1)
+    if not per_tensor:
+        norms = torch.zeros(0, dtype=torch.float32, device=device)
+    return total, norms
+
+
+def multi_tensor_l2norm(chunk_size, noop_flag, tensor_lists, per_tensor=False):
+    """L2 norm of all tensors of ``tensor_lists = [x]`` together, and of each one when ``per_tensor``."""
+    return _norm_results("multi_tensor_l2norm", noop_flag, tensor_lists, None, per_tensor, False)
+
+
+def multi_tensor_l2norm_mp(chunk_size, noop_flag, tensor_lists, per_tensor=False):
+    """Like ``multi_tensor_l2norm``, but returns zeros when ``noop_flag`` was already set."""
+    return _norm_results("multi_tensor_l2norm_mp", noop_flag, tensor_lists, None, per_tensor, True)
+
+
+def multi_tensor_unscale_l2norm(chunk_size, noop_flag, tensor_lists, inv_scale, per_tensor=False):
+    """L2 norm of ``x * inv_scale`` without modifying x."""
+    return _norm_results(
+        "multi_tensor_unscale_l2norm", noop_flag, tensor_lists, inv_scale, per_tensor, False
+    )
+
+
+def _check_state_tensor(name, t, dtype, device):
+    if not isinstance(t, torch.Tensor) or t.numel() != 1 or t.dtype != dtype or t.device != device:
+        raise ValueError(
+            f"update_scale_hysteresis: {name} must be a 1-element {dtype} tensor on {device} "
+            "(the device of current_scale)"
+        )
+
+
+def update_scale_hysteresis(current_scale, growth_tracker, hysteresis_tracker, found_inf,
+                            growth_factor, backoff_factor, growth_interval, hysteresis):
+    """Update the loss scale in place, on its device, from ``found_inf``; returns ``current_scale``.
+
+    An overflow (``found_inf > 0``) decrements ``hysteresis_tracker``; while it stays above zero the
+    overflow is tolerated (growth tracker zeroed, scale kept), otherwise the scale is multiplied by
+    ``backoff_factor`` and the growth tracker zeroed. A clean step counts one more success in
+    ``growth_tracker``: reaching ``growth_interval`` multiplies the scale by ``growth_factor`` (only if
+    the result is finite) and restarts the count; either way ``hysteresis_tracker`` is reset to
+    ``hysteresis``. Never synchronises with the host.
+    """
+    device = current_scale.device
+    _check_state_tensor("current_scale", current_scale, torch.float32, device)
+    _check_state_tensor("growth_tracker", growth_tracker, torch.int32, device)
+    _check_state_tensor("hysteresis_tracker", hysteresis_tracker, torch.int32, device)
+    _check_state_tensor("found_inf", found_inf, torch.float32, device)
+    with torch.no_grad():
+        scale = current_scale.reshape(())
+        growth = growth_tracker.reshape(())
+        overflow = found_inf.reshape(()) > 0
+        hysteresis_left = torch.where(overflow, hysteresis_tracker.reshape(()) - 1, hysteresis)
+        back_off = overflow & (hysteresis_left <= 0)
+        successes = growth + 1
+        grow = ~overflow & (successes == growth_interval)
+        grown = (scale.double() * growth_factor).float()
+        shrunk = (scale.double() * backoff_factor).float()
+        new_scale = torch.where(back_off, shrunk, torch.where(grow & grown.isfinite(), grown, scale))
+        new_growth = torch.where(overflow | grow, 0, successes)
+        current_scale.copy_(new_scale)
+        growth_tracker.copy_(new_growth)
+        hysteresis_tracker.copy_(hysteresis_left)
+    return current_scale

@@ -189,7 +189,8 @@ setup(
     python_requires=">=3.9",
     install_requires=["torch>=2.1,<3", "packaging"],
     extras_require={
-        "test": ["pytest>=7", "hypothesis>=6"],
+        # The tests run the examples' smoke modes, so they need the examples' packages too.
+        "test": ["pytest>=7", "hypothesis>=6", "ninja", "scikit-learn", "tqdm", "matplotlib"],
         "examples": ["scikit-learn", "tqdm", "matplotlib"],
     },
     ext_modules=ext_modules,

@@ -90,6 +90,14 @@ def widest_type(values):
     return found if mixed else None
 
 
+def no_floating_scalar(values):
+    """True when no floating tensor among ``values`` is 0-dim (see lists.NATIVE_PROMOTE)."""
+    for a in values:
+        if isinstance(a, Tensor) and a.dim() == 0 and a.dtype in FLOATING:
+            return False
+    return True
+
+
 def any_low_precision(args, kwargs):
     """True when any floating tensor argument (or list element) is fp16 or bf16."""
     for a in (*args, *kwargs.values()) if kwargs else args:

@@ -117,8 +117,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", nargs="+", choices=sorted(DTYPES), default=None)
-    parser.add_argument("--reps", type=int, default=7)
-    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--reps", type=int, default=11)
+    parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--profile", action="store_true")
     # One thread by default: on a shared or small CPU, OpenMP contention swamps the comparison.
     parser.add_argument("--threads", type=int, default=1)

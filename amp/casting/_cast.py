@@ -131,8 +131,13 @@ def make_caster(name, verbose=False, cache=None):
     float32 = torch.float32
     is_grad_enabled = torch.is_grad_enabled
 
+    is_compiling = torch.compiler.is_compiling
+
     def cast(t, dtype):
-        if t.dtype is not float32 or dtype not in LOW_PRECISION or not isinstance(t, Parameter):
+        # Under torch.compile the graph itself shares one cast per weight; a Python-side cache
+        # there would only cost graph breaks.
+        if (t.dtype is not float32 or dtype not in LOW_PRECISION or not isinstance(t, Parameter)
+                or is_compiling()):
             return plain(t, dtype)
         # Keyed by the Parameter object, so the copy's autograd parent is always `t`: no need
         # for Apex's next_functions[1] parent check, which broke on torch >= 1.10 (Q7).

@@ -70,7 +70,8 @@ def sgd(params):
 
 
 def adam(params):
-    return torch.optim.Adam(params, lr=0.01)
+    # eps=1e-8 is 0 in fp16, and pure-fp16 (O3) Adam then divides 0 by 0.
+    return torch.optim.Adam(params, lr=0.01, eps=1e-4)
 
 
 def initialized(opt_level, make_optimizer=sgd, seed=0, **kwargs):

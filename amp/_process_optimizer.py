@@ -7,6 +7,7 @@ flag is read once and a non-finite step is skipped without calling the optimizer
 way a skipped step leaves parameters, optimizer state and step counters untouched.
 """
 import contextlib
+import functools
 import types
 
 import torch
@@ -426,7 +427,15 @@ def _process_optimizer(optimizer, properties, param_names, fp32_values, max_cons
     stash.original_add_param_group = optimizer.add_param_group
     optimizer.add_param_group = bind(_add_param_group)
     stash.original_step = optimizer.step
-    optimizer.step = bind(_amp_step)
+    step = _amp_step
+    if hasattr(stash.original_step, "_wrapped_by_lr_sched"):
+        # An LR scheduler created before initialize warns at its first step() unless it finds its
+        # mark on optimizer.step; the mark goes on a per-optimizer copy, never on _amp_step itself.
+        @functools.wraps(_amp_step)
+        def step(self, *args, **kwargs):
+            return _amp_step(self, *args, **kwargs)
+        step._wrapped_by_lr_sched = True
+    optimizer.step = bind(step)
     # Masters are made now (Apex made them lazily) so that checkpoints loaded right after
     # initialize land on the fp32 masters with no precision lost.
     optimizer._amp_lazy_init()

@@ -12,6 +12,8 @@ import types
 
 import torch
 
+from fp16_utils.fp16util import swap_in_fp32_masters
+
 from . import casting
 from ._amp_state import _amp_state
 from ._overflow_report import OverflowReporter, non_finite_grad_names
@@ -105,24 +107,14 @@ def _lazy_init_with_master_weights(self):
 
 def _make_masters(optimizer, group, fp32_values=None):
     """Swap each low-precision param of ``group`` for an fp32 master; returns the three lists."""
-    fp32_values = fp32_values if fp32_values is not None else optimizer._amp_stash.fp32_values
-    fp16_params, masters, fp32_params = [], [], []
-    for index, param in enumerate(group["params"]):
-        if not param.requires_grad:
-            continue
-        _check_param_type(param, "Optimizer parameters")
-        if param.dtype in LOW_PRECISION:
-            exact = fp32_values.pop(id(param), None)
-            master = (exact if exact is not None else param.detach().float().clone())
-            master.requires_grad_(True)
-            group["params"][index] = master
-            if param in optimizer.state:
-                optimizer.state[master] = optimizer.state.pop(param)
-            optimizer._amp_stash.param_names.setdefault(master, optimizer._amp_stash.param_names.get(param))
-            fp16_params.append(param)
-            masters.append(master)
-        else:
-            fp32_params.append(param)
+    stash = optimizer._amp_stash
+    for param in group["params"]:
+        if param.requires_grad:
+            _check_param_type(param, "Optimizer parameters")
+    fp32_values = fp32_values if fp32_values is not None else stash.fp32_values
+    fp16_params, masters, fp32_params = swap_in_fp32_masters(optimizer, group, fp32_values)
+    for param, master in zip(fp16_params, masters):
+        stash.param_names.setdefault(master, stash.param_names.get(param))
     return fp16_params, masters, fp32_params
 
 

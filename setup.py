@@ -1,5 +1,186 @@
-"""Install amp and fp16_utils (pure Python); the amp_C extension build is added by issue 5."""
+"""Install amp and fp16_utils; optionally build the fused kernels as the extension ``amp_C``.
+
+By default the install is pure Python and needs no compiler. ``AMP_CPP_EXT=1`` builds ``amp_C``
+with the CPU kernels; ``AMP_CUDA_EXT=1`` adds the CUDA kernels. Both need the PyTorch you
+already have, so build with ``pip install --no-build-isolation .``.
+
+How the CUDA part is built: the ``.cu`` files include only the CUDA runtime and
+``csrc/amp_C_kernels.h`` (raw pointers, sizes, dtype tags, an opaque stream), never PyTorch, so
+we compile them with our own ``nvcc`` invocation whether PyTorch is a CPU or a CUDA build, and
+link the objects into an ordinary ``CppExtension`` together with the CUDA runtime, statically
+(``libcudart_static``), so that ``import amp_C`` works on machines without a GPU or a CUDA
+install. The binding gets the current stream from PyTorch, which a CPU-only PyTorch cannot
+give: built against one, the CUDA kernels are compiled and linked but CUDA tensors are refused
+with a clear error (``amp_C.cuda_available()`` is then False).
+
+Environment: ``TORCH_CUDA_ARCH_LIST`` (e.g. ``"8.0;9.0+PTX"``) picks the GPU architectures;
+otherwise the visible GPUs', or, without one, every architecture this nvcc supports from sm_80
+up. ``CUDA_HOME`` locates nvcc (else ``PATH``). Only the CUDA major version must match
+PyTorch's. C++ sources are compiled by PyTorch's ``BuildExtension`` (with ninja when present);
+the ``.cu`` files by parallel nvcc processes.
+"""
+import os
+import re
+import shutil
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
 from setuptools import find_packages, setup
+
+ROOT = Path(__file__).resolve().parent
+CSRC = ROOT / "csrc"
+
+
+def _env_flag(name):
+    return os.environ.get(name, "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _find_cuda():
+    """(nvcc, CUDA home): from $CUDA_HOME, else the nvcc on PATH (which may be a wrapper script)."""
+    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    nvcc = Path(cuda_home, "bin", "nvcc") if cuda_home else shutil.which("nvcc")
+    if nvcc is None or not Path(nvcc).exists():
+        raise RuntimeError(
+            "AMP_CUDA_EXT=1 needs the CUDA compiler: nvcc was not found on PATH or in $CUDA_HOME/bin. "
+            "Install the CUDA toolkit or set CUDA_HOME; use AMP_CPP_EXT=1 alone for the CPU kernels."
+        )
+    homes = [Path(cuda_home)] if cuda_home else [Path(nvcc).resolve().parent.parent, Path("/usr/local/cuda")]
+    home = next((h for h in homes if (h / "include" / "cuda_runtime.h").exists()), None)
+    if home is None:
+        raise RuntimeError(f"found {nvcc} but no CUDA toolkit (include/cuda_runtime.h) in {homes}; set CUDA_HOME")
+    return Path(nvcc), home
+
+
+def _nvcc_version(nvcc):
+    out = subprocess.check_output([str(nvcc), "--version"], text=True)
+    match = re.search(r"release (\d+)\.(\d+)", out)
+    if match is None:
+        raise RuntimeError(f"could not read the CUDA version from `{nvcc} --version`:\n{out}")
+    return int(match.group(1)), int(match.group(2))
+
+
+def _check_cuda_major(torch, nvcc_version):
+    # A CPU PyTorch has no CUDA runtime of its own to clash with.
+    if torch.version.cuda is None:
+        return
+    torch_major = int(torch.version.cuda.split(".")[0])
+    if torch_major != nvcc_version[0]:
+        raise RuntimeError(
+            f"nvcc is CUDA {nvcc_version[0]}.{nvcc_version[1]} but PyTorch was built with CUDA "
+            f"{torch.version.cuda}; their major versions must match. Point CUDA_HOME at a CUDA "
+            f"{torch_major}.x toolkit."
+        )
+
+
+def _arch_list(torch, nvcc):
+    """The `X.Y[+PTX]` architectures to build for."""
+    requested = os.environ.get("TORCH_CUDA_ARCH_LIST", "").replace(" ", ";")
+    archs = [a for a in requested.split(";") if a]
+    if archs:
+        return archs
+    if torch.cuda.is_available():
+        caps = {torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())}
+        return [f"{major}.{minor}" for major, minor in sorted(caps)]
+    listed = subprocess.check_output([str(nvcc), "--list-gpu-arch"], text=True).split()
+    numbers = sorted({int(a.split("_")[1]) for a in listed if re.fullmatch(r"compute_\d+", a)})
+    archs = [f"{n // 10}.{n % 10}" for n in numbers if n >= 80]
+    # PTX for the newest lets later GPUs JIT-compile the kernels.
+    return archs[:-1] + [archs[-1] + "+PTX"]
+
+
+def _gencode_flags(archs):
+    flags = []
+    for arch in archs:
+        match = re.fullmatch(r"(\d+)\.(\d+)([af]?)(\+PTX)?", arch)
+        if match is None:
+            raise RuntimeError(
+                f"TORCH_CUDA_ARCH_LIST entry {arch!r} is not of the form 8.0, 9.0a or 8.6+PTX"
+            )
+        number = match.group(1) + match.group(2) + match.group(3)
+        flags.append(f"-gencode=arch=compute_{number},code=sm_{number}")
+        if match.group(4):
+            flags.append(f"-gencode=arch=compute_{number},code=compute_{number}")
+    return flags
+
+
+def _amp_C_extension(with_cuda):
+    try:
+        import torch
+        from torch.utils.cpp_extension import BuildExtension, CppExtension
+    except ImportError as err:
+        raise RuntimeError(
+            "AMP_CPP_EXT=1 / AMP_CUDA_EXT=1 build amp_C against your installed PyTorch, which could "
+            "not be imported. Install torch first, then run `pip install --no-build-isolation .`."
+        ) from err
+
+    cpp_sources = [CSRC / "amp_C_frontend.cpp", CSRC / "amp_C_ops.cpp", *sorted((CSRC / "cpu").glob("*.cpp"))]
+    cuda_sources = sorted(CSRC.glob("*.cu")) if with_cuda else []
+    missing = [str(p) for p in cpp_sources[:2] if not p.exists()]
+    if missing or len(cpp_sources) == 2 or (with_cuda and not cuda_sources):
+        raise RuntimeError(f"amp_C sources are missing under {CSRC} (is this a complete checkout?)")
+
+    # -ffp-contract=off: axpby must round each product before the add (no FMA), bit for bit like
+    # the CUDA kernels and the pure-torch fallback.
+    cxx_flags = ["-O3", "-ffp-contract=off"]
+    link_flags = []
+    if torch._C.has_openmp:  # at::parallel_for is OpenMP inside our own code
+        cxx_flags.append("-fopenmp")
+        link_flags.append("-fopenmp")
+    include_dirs = [str(CSRC)]
+    nvcc = None
+    if with_cuda:
+        nvcc, cuda_home = _find_cuda()
+        _check_cuda_major(torch, _nvcc_version(nvcc))
+        cxx_flags.append("-DAMP_WITH_CUDA_KERNELS")
+        if torch.version.cuda is not None:
+            cxx_flags.append("-DAMP_WITH_TORCH_CUDA")
+            include_dirs.append(str(cuda_home / "include"))
+        lib_dir = next((d for d in (cuda_home / "lib64", cuda_home / "lib") if (d / "libcudart_static.a").exists()), None)
+        if lib_dir is None:
+            raise RuntimeError(f"libcudart_static.a was not found under {cuda_home}/lib64 or /lib")
+        link_flags += [f"-L{lib_dir}", "-lcudart_static", "-ldl", "-lrt", "-lpthread"]
+
+    class BuildAmpC(BuildExtension):
+        """BuildExtension that first compiles the .cu files with nvcc and links their objects."""
+
+        def build_extensions(self):
+            if cuda_sources:
+                objects = self._compile_cuda(Path(self.build_temp) / "amp_C_cuda")
+                for ext in self.extensions:
+                    ext.extra_objects = list(ext.extra_objects or []) + objects
+            super().build_extensions()
+
+        def _compile_cuda(self, out_dir):
+            out_dir.mkdir(parents=True, exist_ok=True)
+            flags = ["-std=c++17", "-O3", "-lineinfo", "-Xcompiler", "-fPIC", f"-I{CSRC}"]
+            flags += _gencode_flags(_arch_list(torch, nvcc))
+
+            def compile_one(source):
+                obj = out_dir / (source.stem + ".o")
+                cmd = [str(nvcc), *flags, "-c", str(source), "-o", str(obj)]
+                print(" ".join(cmd), flush=True)
+                result = subprocess.run(cmd, capture_output=True, text=True)
+                if result.returncode != 0:
+                    raise RuntimeError(f"nvcc failed on {source.name}:\n{result.stdout}{result.stderr}")
+                return str(obj)
+
+            with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+                return list(pool.map(compile_one, cuda_sources))
+
+    ext = CppExtension(
+        name="amp_C",
+        sources=[str(p.relative_to(ROOT)) for p in cpp_sources],
+        include_dirs=include_dirs,
+        extra_compile_args=cxx_flags,
+        extra_link_args=link_flags,
+    )
+    return [ext], {"build_ext": BuildAmpC}
+
+
+ext_modules, cmdclass = [], {}
+if _env_flag("AMP_CPP_EXT") or _env_flag("AMP_CUDA_EXT"):
+    ext_modules, cmdclass = _amp_C_extension(with_cuda=_env_flag("AMP_CUDA_EXT"))
 
 setup(
     name="amp",
@@ -8,7 +189,10 @@ setup(
     python_requires=">=3.9",
     install_requires=["torch>=2.1,<3", "packaging"],
     extras_require={
-        "test": ["pytest>=7", "hypothesis>=6"],
+        # The tests run the examples' smoke modes, so they need the examples' packages too.
+        "test": ["pytest>=7", "hypothesis>=6", "ninja", "scikit-learn", "tqdm", "matplotlib"],
         "examples": ["scikit-learn", "tqdm", "matplotlib"],
     },
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
 )

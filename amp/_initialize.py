@@ -9,7 +9,7 @@ import functools
 import torch
 from torch import nn
 
-from fp16_utils import convert_network
+from fp16_utils.fp16util import convert_network
 
 from . import casting
 from ._amp_state import _amp_state, warn_or_err

@@ -7,9 +7,12 @@ flag is read once and a non-finite step is skipped without calling the optimizer
 way a skipped step leaves parameters, optimizer state and step counters untouched.
 """
 import contextlib
+import functools
 import types
 
 import torch
+
+from fp16_utils.fp16util import swap_in_fp32_masters
 
 from . import casting
 from ._amp_state import _amp_state
@@ -104,24 +107,14 @@ def _lazy_init_with_master_weights(self):
 
 def _make_masters(optimizer, group, fp32_values=None):
     """Swap each low-precision param of ``group`` for an fp32 master; returns the three lists."""
-    fp32_values = fp32_values if fp32_values is not None else optimizer._amp_stash.fp32_values
-    fp16_params, masters, fp32_params = [], [], []
-    for index, param in enumerate(group["params"]):
-        if not param.requires_grad:
-            continue
-        _check_param_type(param, "Optimizer parameters")
-        if param.dtype in LOW_PRECISION:
-            exact = fp32_values.pop(id(param), None)
-            master = (exact if exact is not None else param.detach().float().clone())
-            master.requires_grad_(True)
-            group["params"][index] = master
-            if param in optimizer.state:
-                optimizer.state[master] = optimizer.state.pop(param)
-            optimizer._amp_stash.param_names.setdefault(master, optimizer._amp_stash.param_names.get(param))
-            fp16_params.append(param)
-            masters.append(master)
-        else:
-            fp32_params.append(param)
+    stash = optimizer._amp_stash
+    for param in group["params"]:
+        if param.requires_grad:
+            _check_param_type(param, "Optimizer parameters")
+    fp32_values = fp32_values if fp32_values is not None else stash.fp32_values
+    fp16_params, masters, fp32_params = swap_in_fp32_masters(optimizer, group, fp32_values)
+    for param, master in zip(fp16_params, masters):
+        stash.param_names.setdefault(master, stash.param_names.get(param))
     return fp16_params, masters, fp32_params
 
 
@@ -426,7 +419,15 @@ def _process_optimizer(optimizer, properties, param_names, fp32_values, max_cons
     stash.original_add_param_group = optimizer.add_param_group
     optimizer.add_param_group = bind(_add_param_group)
     stash.original_step = optimizer.step
-    optimizer.step = bind(_amp_step)
+    step = _amp_step
+    if hasattr(stash.original_step, "_wrapped_by_lr_sched"):
+        # An LR scheduler created before initialize warns at its first step() unless it finds its
+        # mark on optimizer.step; the mark goes on a per-optimizer copy, never on _amp_step itself.
+        @functools.wraps(_amp_step)
+        def step(self, *args, **kwargs):
+            return _amp_step(self, *args, **kwargs)
+        step._wrapped_by_lr_sched = True
+    optimizer.step = bind(step)
     # Masters are made now (Apex made them lazily) so that checkpoints loaded right after
     # initialize land on the fp32 masters with no precision lost.
     optimizer._amp_lazy_init()

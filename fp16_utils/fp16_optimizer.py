@@ -11,7 +11,7 @@ from amp.multi_tensor_apply import multi_tensor_applier, multi_tensor_scale
 from amp.scaler import LossScaler
 
 from ._deprecation import deprecated_warning
-from .fp16util import LOW_PRECISION_DTYPES, check_param_dtypes
+from .fp16util import LOW_PRECISION_DTYPES, check_param_dtypes, swap_in_fp32_masters
 
 __all__ = ["FP16_Optimizer"]
 
@@ -132,20 +132,10 @@ class FP16_Optimizer:
         self.fp32_from_fp32_groups = []
         for i, group in enumerate(self.optimizer.param_groups):
             self.maybe_print(f"FP16_Optimizer processing param group {i}:")
-            fp16_params, fp32_from_fp16, fp32_params = [], [], []
-            for j, param in enumerate(group["params"]):
-                if not param.requires_grad:
-                    continue
-                self.maybe_print(f"FP16_Optimizer received {param.dtype} with {tuple(param.shape)}")
-                if param.dtype in LOW_PRECISION_DTYPES:
-                    master = torch.nn.Parameter(param.detach().to(torch.float32, copy=True))
-                    group["params"][j] = master
-                    if param in self.optimizer.state:
-                        self.optimizer.state[master] = self.optimizer.state.pop(param)
-                    fp16_params.append(param)
-                    fp32_from_fp16.append(master)
-                else:
-                    fp32_params.append(param)
+            for param in group["params"]:
+                if param.requires_grad:
+                    self.maybe_print(f"FP16_Optimizer received {param.dtype} with {tuple(param.shape)}")
+            fp16_params, fp32_from_fp16, fp32_params = swap_in_fp32_masters(self.optimizer, group)
             self.fp16_groups.append(fp16_params)
             self.fp32_from_fp16_groups.append(fp32_from_fp16)
             self.fp32_from_fp32_groups.append(fp32_params)

@@ -40,6 +40,32 @@ def check_param_dtypes(params, where):
                 "convert_network(model, torch.float16).")
 
 
+def swap_in_fp32_masters(optimizer, group, exact_fp32=None):
+    """Replace each trainable fp16/bf16 param of ``group`` by an fp32 master, in place.
+
+    The master takes the param's slot in ``group["params"]`` and its optimizer state, so the
+    optimizer steps the master from then on. Its value is ``exact_fp32[id(param)]`` when given
+    (amp passes the values from before the model was cast), else the param's own, widened.
+    Returns ``(low-precision params, their masters, fp32 params kept as they are)``.
+    """
+    exact_fp32 = exact_fp32 or {}
+    low_precision, masters, kept = [], [], []
+    for index, param in enumerate(group["params"]):
+        if not param.requires_grad:
+            continue
+        if param.dtype in LOW_PRECISION_DTYPES:
+            value = exact_fp32.get(id(param))
+            master = nn.Parameter(value if value is not None else param.detach().to(torch.float32, copy=True))
+            group["params"][index] = master
+            if param in optimizer.state:
+                optimizer.state[master] = optimizer.state.pop(param)
+            low_precision.append(param)
+            masters.append(master)
+        else:
+            kept.append(param)
+    return low_precision, masters, kept
+
+
 def _check_module(module, where):
     if not isinstance(module, nn.Module):
         raise TypeError(f"{where} expects a torch.nn.Module, got {type(module).__name__}.")

@@ -87,3 +87,11 @@ def test_augmented_add_widens_and_rebinds(handle, low, device):
     x += torch.ones(4, device=device)
     assert x.dtype == torch.float32 and x is not before
     torch.testing.assert_close(x, before.float() + 1)
+
+
+def test_zero_dim_float_widens_low_precision_tensor(handle, low, device):
+    # torch alone would keep `low` here (0-dim operands do not widen); amp widens, as Apex did.
+    x, scale = torch.randn(4, device=device).to(low), torch.tensor(2.0, device=device)
+    assert (x * scale).dtype == torch.float32
+    assert torch.add(x, scale).dtype == torch.float32
+    assert (x * scale.to(low)).dtype == low

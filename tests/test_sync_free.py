@@ -207,10 +207,11 @@ def test_compiled_model_trains_like_the_eager_one(opt_level):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3)
 
 
-def test_compiled_o2_forward_is_one_graph():
+@pytest.mark.parametrize("opt_level", ["O1", "O2", "O4", "O5"])
+def test_compiled_forward_is_one_graph(opt_level):
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, optimizer = amp.initialize(model, optimizer, opt_level="O2", verbosity=0)
+    model, optimizer = amp.initialize(model, optimizer, opt_level=opt_level, verbosity=0)
     explanation = torch._dynamo.explain(model)(data()[0])
     assert explanation.graph_break_count == 0
 

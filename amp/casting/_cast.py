@@ -29,36 +29,38 @@ def _cast_sequence(seq, dtype, cast):
     return type(seq)(t if t.dtype is dtype else cast(t, dtype) for t in seq)
 
 
-def _cast_value(a, dtype, cast):
-    # Returns `a` itself when nothing changes, so callers can test identity.
-    if isinstance(a, Tensor):
-        d = a.dtype
-        if d is dtype or d not in FLOATING:
-            return a
-        return cast(a, dtype)
-    if type(a) in _SEQUENCES and a and _all_floating(a):
-        return _cast_sequence(a, dtype, cast)
-    return a
-
-
 def cast_args(args, kwargs, dtype, cast):
     """Cast every floating tensor (or all-floating list/tuple) argument to ``dtype``.
 
     ``cast(tensor, dtype)`` performs one cast. Returns ``(args, kwargs)``; ``args`` is the input
     tuple itself when nothing changed, and ``kwargs`` (the wrapper's own dict) is updated in place.
     """
+    # The tensor test is inlined rather than shared with the kwargs loop: this loop runs for
+    # every patched call and a helper call per argument is most of its cost.
     out = None
-    for i, a in enumerate(args):
-        new = _cast_value(a, dtype, cast)
-        if new is not a:
-            if out is None:
-                out = list(args)
-            out[i] = new
+    i = 0
+    for a in args:
+        if isinstance(a, Tensor):
+            d = a.dtype
+            if d is not dtype and d in FLOATING:
+                if out is None:
+                    out = list(args)
+                out[i] = cast(a, dtype)
+        elif type(a) in _SEQUENCES and a and _all_floating(a):
+            new = _cast_sequence(a, dtype, cast)
+            if new is not a:
+                if out is None:
+                    out = list(args)
+                out[i] = new
+        i += 1
     if kwargs:
         for k, v in kwargs.items():
-            new = _cast_value(v, dtype, cast)
-            if new is not v:
-                kwargs[k] = new
+            if isinstance(v, Tensor):
+                d = v.dtype
+                if d is not dtype and d in FLOATING:
+                    kwargs[k] = cast(v, dtype)
+            elif type(v) in _SEQUENCES and v and _all_floating(v):
+                kwargs[k] = _cast_sequence(v, dtype, cast)
     return (args if out is None else out), kwargs
 
 
@@ -88,6 +90,14 @@ def widest_type(values):
     return found if mixed else None
 
 
+def no_floating_scalar(values):
+    """True when no floating tensor among ``values`` is 0-dim (see lists.NATIVE_PROMOTE)."""
+    for a in values:
+        if isinstance(a, Tensor) and a.dim() == 0 and a.dtype in FLOATING:
+            return False
+    return True
+
+
 def any_low_precision(args, kwargs):
     """True when any floating tensor argument (or list element) is fp16 or bf16."""
     for a in (*args, *kwargs.values()) if kwargs else args:
@@ -100,32 +110,12 @@ def any_low_precision(args, kwargs):
     return False
 
 
-def _cached_cast(cache, param, dtype, cast):
-    # Keyed by the Parameter object, so the cached copy's autograd parent is always `param`:
-    # no need for Apex's next_functions[1] parent check, which broke on torch >= 1.10 (Q7).
-    entry = cache.get(param)
-    version = param._version
-    if entry is not None:
-        copy, cached_version = entry
-        # A copy made under no_grad cannot carry gradients back in training (train -> eval ->
-        # train), and an in-place update of the parameter (optimizer.step without a cache
-        # clear) makes the copy stale: both are recast.
-        if (cached_version == version and copy.dtype is dtype
-                and (copy.requires_grad == param.requires_grad or not torch.is_grad_enabled())):
-            return copy
-    copy = cast(param, dtype)
-    # Inference tensors cannot be saved for backward later, so they are never cached.
-    if not torch.is_inference_mode_enabled():
-        cache[param] = (copy, version)
-    return copy
-
-
 def make_caster(name, verbose=False, cache=None):
     """Return ``cast(tensor, dtype)`` for the wrapper of function ``name``.
 
     With a ``cache`` dict (the handle's), fp32 Parameters cast to fp16/bf16 are cast once and the
-    copy is shared by every use until the cache is cleared. With ``verbose``, each inserted cast
-    prints Apex's "Float->Half (name)" line.
+    copy is shared by every use (one autograd node) until the cache is cleared. With
+    ``verbose``, each inserted cast prints Apex's "Float->Half (name)" line.
     """
     if verbose:
         def plain(t, dtype):
@@ -138,8 +128,32 @@ def make_caster(name, verbose=False, cache=None):
     if cache is None:
         return plain
 
+    float32 = torch.float32
+    is_grad_enabled = torch.is_grad_enabled
+
+    is_compiling = torch.compiler.is_compiling
+
     def cast(t, dtype):
-        if t.dtype is torch.float32 and dtype in LOW_PRECISION and isinstance(t, Parameter):
-            return _cached_cast(cache, t, dtype, plain)
-        return plain(t, dtype)
+        # Under torch.compile the graph itself shares one cast per weight; a Python-side cache
+        # there would only cost graph breaks.
+        if (t.dtype is not float32 or dtype not in LOW_PRECISION or not isinstance(t, Parameter)
+                or is_compiling()):
+            return plain(t, dtype)
+        # Keyed by the Parameter object, so the copy's autograd parent is always `t`: no need
+        # for Apex's next_functions[1] parent check, which broke on torch >= 1.10 (Q7).
+        entry = cache.get(t)
+        version = t._version
+        if entry is not None:
+            copy, cached_version = entry
+            # A copy made under no_grad cannot carry gradients in training (train -> eval ->
+            # train), and an in-place update of the parameter (optimizer.step with no cache
+            # clear in between) makes the copy stale: both are cast again.
+            if (cached_version == version and copy.dtype is dtype
+                    and (copy.requires_grad == t.requires_grad or not is_grad_enabled())):
+                return copy
+        copy = plain(t, dtype)
+        # Inference tensors cannot be saved for backward later, so they are never cached.
+        if not torch.is_inference_mode_enabled():
+            cache[t] = (copy, version)
+        return copy
     return cast

@@ -149,7 +149,8 @@ def _install(handle, patch_type, allow_banned):
         _wrap(handle, ovr.module, ovr.low_precision, make_cast_wrapper, patch_type, True)
         _wrap(handle, ovr.module, ovr.fp32, make_cast_wrapper, torch.float32, False)
     for ovr in (torch_lists, tensor_lists):
-        _wrap(handle, ovr.module, ovr.promote, make_promote_wrapper)
+        for name in ovr.promote:
+            _wrap(handle, ovr.module, [name], make_promote_wrapper, name in lists.NATIVE_PROMOTE)
         _wrap(handle, ovr.module, ovr.sequence_promote, make_sequence_promote_wrapper)
     for name in _inplace(torch, torch_lists.fp32):
         handle._save_func(torch, name, make_error_if_any_low_precision(getattr(torch, name), name))

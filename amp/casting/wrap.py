@@ -6,7 +6,7 @@ handle it was built for, so ``disable_casts`` and ``_deactivate`` switch all of 
 import functools
 
 from ._cast import (FLOATING, LOW_PRECISION, any_low_precision, cast_args, make_caster,
-                    widest_type)
+                    no_floating_scalar, widest_type)
 
 
 def make_cast_wrapper(orig, name, handle, dtype, try_caching):
@@ -23,8 +23,11 @@ def make_cast_wrapper(orig, name, handle, dtype, try_caching):
     return wrapper
 
 
-def make_promote_wrapper(orig, name, handle):
+def make_promote_wrapper(orig, name, handle, native=False):
     """Run ``orig`` with its floating arguments cast to the widest floating type among them.
+
+    ``native``: ``orig`` promotes by itself unless an operand is a 0-dim floating tensor
+    (``lists.NATIVE_PROMOTE``), so the explicit cast is only needed then.
 
     For ``x += y`` (``__iadd__``) with x half and y float this means x is widened to a float copy,
     the add happens on the copy, and Python rebinds x to the float result (as in Apex); the
@@ -35,9 +38,11 @@ def make_promote_wrapper(orig, name, handle):
     @functools.wraps(orig)
     def wrapper(*args, **kwargs):
         if handle._is_active:
-            dtype = widest_type((*args, *kwargs.values()) if kwargs else args)
-            if dtype is not None:
-                args, kwargs = cast_args(args, kwargs, dtype, cast)
+            values = (*args, *kwargs.values()) if kwargs else args
+            if not (native and no_floating_scalar(values)):
+                dtype = widest_type(values)
+                if dtype is not None:
+                    args, kwargs = cast_args(args, kwargs, dtype, cast)
         return orig(*args, **kwargs)
     return wrapper
 

@@ -1,0 +1,277 @@
+// Argument checks and device dispatch for the amp_C operations (declared in amp_C_ops.h).
+//
+// Apex checked only the first tensor of each list; here every tensor's dtype, device, density and
+// size is checked, and the error names the list and index. Like Apex and the pure-torch fallback,
+// tensors are walked as flat storage: elements pair up in memory order, whatever the layout. The CUDA path is compiled only when
+// amp_C has CUDA kernels (AMP_WITH_CUDA_KERNELS) and PyTorch has CUDA (AMP_WITH_TORCH_CUDA):
+// the current stream must come from PyTorch, whose CUDA headers a CPU-only build lacks.
+#include "amp_C_ops.h"
+
+#include <c10/core/DeviceGuard.h>
+
+#include <string>
+
+#include "amp_C_kernels.h"
+
+#if defined(AMP_WITH_CUDA_KERNELS) && defined(AMP_WITH_TORCH_CUDA)
+#include <c10/cuda/CUDAStream.h>
+#define AMP_CUDA_ENABLED 1
+#else
+#define AMP_CUDA_ENABLED 0
+#endif
+
+namespace amp_C {
+namespace {
+
+DType float_dtype(const at::Tensor& t, const char* op, const std::string& what) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return DType::Float32;
+    case at::kHalf: return DType::Float16;
+    case at::kBFloat16: return DType::BFloat16;
+    default:
+      TORCH_CHECK_VALUE(false, op, ": ", what, " has dtype ", t.scalar_type(),
+                  "; amp_C supports float32, float16 and bfloat16");
+  }
+}
+
+std::string where(size_t list, size_t index) {
+  return "tensor_lists[" + std::to_string(list) + "][" + std::to_string(index) + "]";
+}
+
+// Checks `tensor_lists` and returns its raw view. Zero tensors give an empty view (a no-op).
+TensorLists view_lists(const char* op, int64_t chunk_size, const at::Tensor& noop_flag,
+                       const TensorListList& tensor_lists, size_t depth, const char* lists_doc) {
+  TORCH_CHECK_VALUE(chunk_size > 0, op, ": chunk_size must be positive, got ", chunk_size);
+  TORCH_CHECK_VALUE(tensor_lists.size() == depth, op, " expects ", depth, " tensor lists ", lists_doc,
+              ", got ", tensor_lists.size());
+  TensorLists lists;
+  lists.depth = static_cast<int>(depth);
+  const size_t n = tensor_lists[0].size();
+  for (size_t k = 1; k < depth; ++k) {
+    TORCH_CHECK_VALUE(tensor_lists[k].size() == n, op, ": tensor_lists[", k, "] has ",
+                tensor_lists[k].size(), " tensors but tensor_lists[0] has ", n,
+                "; every list needs one tensor per parameter");
+  }
+  TORCH_CHECK_VALUE(noop_flag.numel() == 1 && (noop_flag.scalar_type() == at::kInt ||
+                                         noop_flag.scalar_type() == at::kFloat),
+              op, ": noop_flag must be a 1-element int32 or float32 tensor, got ",
+              noop_flag.scalar_type(), " with ", noop_flag.numel(), " elements");
+  if (n == 0) return lists;
+  const at::Tensor& first = tensor_lists[0][0];
+  TORCH_CHECK_VALUE(first.device().is_cpu() || first.device().is_cuda(), op,
+              ": tensors must be on CPU or CUDA, got ", first.device());
+  TORCH_CHECK_VALUE(noop_flag.device() == first.device(), op, ": noop_flag is on ", noop_flag.device(),
+              " but the tensors are on ", first.device(), "; create the flag on their device");
+  TORCH_CHECK_VALUE(noop_flag.is_contiguous(), op, ": noop_flag must be contiguous");
+  lists.numel.resize(n);
+  for (size_t k = 0; k < depth; ++k) {
+    lists.dtype[k] = float_dtype(tensor_lists[k][0], op, where(k, 0));
+    lists.ptr[k].resize(n);
+    for (size_t i = 0; i < n; ++i) {
+      const at::Tensor& t = tensor_lists[k][i];
+      const at::Tensor& t0 = tensor_lists[0][i];
+      TORCH_CHECK_VALUE(t.device() == first.device(), op, ": ", where(k, i), " is on ", t.device(),
+                  " but ", where(0, 0), " is on ", first.device(),
+                  "; call once per device");
+      TORCH_CHECK_VALUE(float_dtype(t, op, where(k, i)) == lists.dtype[k], op, ": ", where(k, i),
+                  " has dtype ", t.scalar_type(), " but ", where(k, 0), " has ",
+                  tensor_lists[k][0].scalar_type(), "; a list must hold one dtype (group the "
+                  "tensors by dtype and call once per group)");
+      TORCH_CHECK_VALUE(t.numel() == t0.numel(), op, ": ", where(k, i), " has ", t.numel(),
+                  " elements but ", where(0, i), " has ", t0.numel());
+      TORCH_CHECK_VALUE(t.layout() == at::kStrided && t.is_non_overlapping_and_dense(), op, ": ",
+                  where(k, i), " is not dense (a view with gaps or overlaps); pass .contiguous()");
+      lists.ptr[k][i] = t.data_ptr();
+    }
+  }
+  for (size_t i = 0; i < n; ++i) lists.numel[i] = tensor_lists[0][i].numel();
+  return lists;
+}
+
+Flag flag_of(const at::Tensor& noop_flag) {
+  return {noop_flag.data_ptr(),
+          noop_flag.scalar_type() == at::kInt ? DType::Int32 : DType::Float32};
+}
+
+// A float argument for tensors on `device`: a number, or a 1-element float32 tensor on `device`
+// (read by the kernel) or on the CPU (read here, which costs no device synchronisation).
+Scalar scalar_of(const FloatArg& arg, const at::Device& device, const char* op,
+                 const char* name) {
+  if (const double* value = std::get_if<double>(&arg)) return {static_cast<float>(*value), nullptr};
+  const at::Tensor& t = std::get<at::Tensor>(arg);
+  TORCH_CHECK_VALUE(t.numel() == 1 && t.scalar_type() == at::kFloat, op, ": ", name,
+              " must be a float or a 1-element float32 tensor, got a ", t.scalar_type(),
+              " tensor with ", t.numel(), " elements");
+  if (t.device().is_cpu()) return {t.item<float>(), nullptr};
+  TORCH_CHECK_VALUE(t.device() == device, op, ": ", name, " is on ", t.device(),
+              " but the tensors are on ", device);
+  return {0.f, t.data_ptr<float>()};
+}
+
+#if AMP_CUDA_ENABLED
+void* current_stream(const at::Device& device) {
+  return c10::cuda::getCurrentCUDAStream(device.index()).stream();
+}
+#endif
+
+[[noreturn]] void no_cuda(const char* op) {
+#if defined(AMP_WITH_CUDA_KERNELS)
+  TORCH_CHECK(false, op, ": amp_C was built without a CUDA-enabled PyTorch, so it cannot run "
+              "on CUDA tensors; rebuild it (AMP_CUDA_EXT=1) with a CUDA PyTorch installed");
+#else
+  TORCH_CHECK(false, op, ": amp_C was built without CUDA kernels; rebuild it with "
+              "AMP_CUDA_EXT=1 to run on CUDA tensors");
+#endif
+}
+
+// Runs cpu() or cuda(stream) for the device, under a guard for it.
+template <typename Cpu, typename Cuda>
+void on_device(const at::Device& device, const char* op, Cpu&& cpu, Cuda&& cuda) {
+  if (device.is_cpu()) {
+    cpu();
+    return;
+  }
+#if AMP_CUDA_ENABLED
+  const c10::DeviceGuard guard(device);
+  cuda(current_stream(device));
+#else
+  (void)cuda;
+  no_cuda(op);
+#endif
+}
+
+std::tuple<at::Tensor, at::Tensor> l2norm(const char* op, int64_t chunk_size,
+                                          const at::Tensor& noop_flag,
+                                          const TensorListList& tensor_lists,
+                                          const FloatArg& inv_scale, bool respect_flag,
+                                          std::optional<bool> per_tensor_arg) {
+  const TensorLists lists = view_lists(op, chunk_size, noop_flag, tensor_lists, 1, "[x]");
+  const bool per_tensor = per_tensor_arg.value_or(false);
+  const int64_t ntensors = static_cast<int64_t>(lists.numel.size());
+  const auto options = noop_flag.options().dtype(at::kFloat);
+  at::Tensor total = at::zeros({1}, options);
+  at::Tensor per_tensor_norms = at::zeros({per_tensor ? ntensors : 0}, options);
+  if (ntensors == 0) return {total, per_tensor_norms};
+  const at::Device device = noop_flag.device();
+  at::Tensor scratch = at::zeros({num_chunks(lists, chunk_size) + ntensors}, options);
+  const NormOutputs out{total.data_ptr<float>(),
+                        per_tensor ? per_tensor_norms.data_ptr<float>() : nullptr,
+                        scratch.data_ptr<float>(),
+                        scratch.data_ptr<float>() + (scratch.numel() - ntensors)};
+  const Scalar s = scalar_of(inv_scale, device, op, "inv_scale");
+  const Flag flag = flag_of(noop_flag);
+  on_device(
+      device, op, [&] { multi_tensor_l2norm_cpu(chunk_size, flag, lists, s, respect_flag, out); },
+      [&](void* stream) {
+#if AMP_CUDA_ENABLED
+        multi_tensor_l2norm_cuda(chunk_size, flag, lists, s, respect_flag, out, stream);
+#endif
+      });
+  return {total, per_tensor_norms};
+}
+
+}  // namespace
+
+void multi_tensor_scale(int64_t chunk_size, const at::Tensor& noop_flag,
+                        const TensorListList& tensor_lists, const FloatArg& scale) {
+  const char* op = "multi_tensor_scale";
+  const TensorLists lists = view_lists(op, chunk_size, noop_flag, tensor_lists, 2, "[in, out]");
+  if (lists.numel.empty()) return;
+  const Scalar s = scalar_of(scale, noop_flag.device(), op, "scale");
+  const Flag flag = flag_of(noop_flag);
+  on_device(
+      noop_flag.device(), op, [&] { multi_tensor_scale_cpu(chunk_size, flag, lists, s); },
+      [&](void* stream) {
+#if AMP_CUDA_ENABLED
+        multi_tensor_scale_cuda(chunk_size, flag, lists, s, stream);
+#endif
+      });
+}
+
+void multi_tensor_axpby(int64_t chunk_size, const at::Tensor& noop_flag,
+                        const TensorListList& tensor_lists, const FloatArg& a, const FloatArg& b,
+                        int64_t arg_to_check) {
+  const char* op = "multi_tensor_axpby";
+  const TensorLists lists = view_lists(op, chunk_size, noop_flag, tensor_lists, 3, "[x, y, out]");
+  if (lists.numel.empty()) return;
+  const Scalar sa = scalar_of(a, noop_flag.device(), op, "a");
+  const Scalar sb = scalar_of(b, noop_flag.device(), op, "b");
+  const Flag flag = flag_of(noop_flag);
+  const int check = static_cast<int>(arg_to_check);
+  on_device(
+      noop_flag.device(), op, [&] { multi_tensor_axpby_cpu(chunk_size, flag, lists, sa, sb, check); },
+      [&](void* stream) {
+#if AMP_CUDA_ENABLED
+        multi_tensor_axpby_cuda(chunk_size, flag, lists, sa, sb, check, stream);
+#endif
+      });
+}
+
+std::tuple<at::Tensor, at::Tensor> multi_tensor_l2norm(int64_t chunk_size,
+                                                       const at::Tensor& noop_flag,
+                                                       const TensorListList& tensor_lists,
+                                                       std::optional<bool> per_tensor) {
+  return l2norm("multi_tensor_l2norm", chunk_size, noop_flag, tensor_lists, 1.0, false,
+                per_tensor);
+}
+
+std::tuple<at::Tensor, at::Tensor> multi_tensor_l2norm_mp(int64_t chunk_size,
+                                                          const at::Tensor& noop_flag,
+                                                          const TensorListList& tensor_lists,
+                                                          std::optional<bool> per_tensor) {
+  return l2norm("multi_tensor_l2norm_mp", chunk_size, noop_flag, tensor_lists, 1.0, true,
+                per_tensor);
+}
+
+std::tuple<at::Tensor, at::Tensor> multi_tensor_unscale_l2norm(
+    int64_t chunk_size, const at::Tensor& noop_flag, const TensorListList& tensor_lists,
+    const FloatArg& inv_scale, std::optional<bool> per_tensor) {
+  return l2norm("multi_tensor_unscale_l2norm", chunk_size, noop_flag, tensor_lists, inv_scale,
+                false, per_tensor);
+}
+
+at::Tensor update_scale_hysteresis(const at::Tensor& current_scale,
+                                   const at::Tensor& growth_tracker,
+                                   const at::Tensor& hysteresis_tracker,
+                                   const at::Tensor& found_inf, double growth_factor,
+                                   double backoff_factor, int64_t growth_interval,
+                                   int64_t hysteresis) {
+  const char* op = "update_scale_hysteresis";
+  const auto check = [&](const at::Tensor& t, at::ScalarType dtype, const char* name) {
+    TORCH_CHECK_VALUE(t.numel() == 1 && t.scalar_type() == dtype, op, ": ", name, " must be a 1-element ",
+                dtype, " tensor, got ", t.scalar_type(), " with ", t.numel(), " elements");
+    TORCH_CHECK_VALUE(t.device() == current_scale.device(), op, ": ", name, " is on ", t.device(),
+                " but current_scale is on ", current_scale.device());
+  };
+  check(current_scale, at::kFloat, "current_scale");
+  check(growth_tracker, at::kInt, "growth_tracker");
+  check(hysteresis_tracker, at::kInt, "hysteresis_tracker");
+  check(found_inf, at::kFloat, "found_inf");
+  float* scale = current_scale.data_ptr<float>();
+  int32_t* growth = growth_tracker.data_ptr<int32_t>();
+  int32_t* hyst = hysteresis_tracker.data_ptr<int32_t>();
+  const float* inf = found_inf.data_ptr<float>();
+  const double gf = growth_factor;
+  const double bf = backoff_factor;
+  const auto gi = static_cast<int32_t>(growth_interval);
+  const auto h = static_cast<int32_t>(hysteresis);
+  on_device(
+      current_scale.device(), op,
+      [&] { update_scale_hysteresis_cpu(scale, growth, hyst, inf, gf, bf, gi, h); },
+      [&](void* stream) {
+#if AMP_CUDA_ENABLED
+        update_scale_hysteresis_cuda(scale, growth, hyst, inf, gf, bf, gi, h, stream);
+#endif
+      });
+  return current_scale;
+}
+
+bool cuda_available() {
+#if AMP_CUDA_ENABLED
+  return at::hasCUDA();
+#else
+  return false;
+#endif
+}
+
+}  // namespace amp_C

@@ -1,0 +1,49 @@
+// The amp_C operations as PyTorch sees them: argument checks, then the CPU twin or the CUDA
+// launcher for the tensors' device. Signatures are Apex's; float arguments also accept a
+// 1-element float32 tensor (read by the kernel, so the sync-free path never calls .item()).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <tuple>
+#include <variant>
+#include <vector>
+
+namespace amp_C {
+
+using TensorListList = std::vector<std::vector<at::Tensor>>;
+using FloatArg = std::variant<at::Tensor, double>;
+
+void multi_tensor_scale(int64_t chunk_size, const at::Tensor& noop_flag,
+                        const TensorListList& tensor_lists, const FloatArg& scale);
+
+void multi_tensor_axpby(int64_t chunk_size, const at::Tensor& noop_flag,
+                        const TensorListList& tensor_lists, const FloatArg& a, const FloatArg& b,
+                        int64_t arg_to_check);
+
+std::tuple<at::Tensor, at::Tensor> multi_tensor_l2norm(int64_t chunk_size,
+                                                       const at::Tensor& noop_flag,
+                                                       const TensorListList& tensor_lists,
+                                                       std::optional<bool> per_tensor);
+
+std::tuple<at::Tensor, at::Tensor> multi_tensor_l2norm_mp(int64_t chunk_size,
+                                                          const at::Tensor& noop_flag,
+                                                          const TensorListList& tensor_lists,
+                                                          std::optional<bool> per_tensor);
+
+std::tuple<at::Tensor, at::Tensor> multi_tensor_unscale_l2norm(
+    int64_t chunk_size, const at::Tensor& noop_flag, const TensorListList& tensor_lists,
+    const FloatArg& inv_scale, std::optional<bool> per_tensor);
+
+at::Tensor update_scale_hysteresis(const at::Tensor& current_scale,
+                                   const at::Tensor& growth_tracker,
+                                   const at::Tensor& hysteresis_tracker,
+                                   const at::Tensor& found_inf, double growth_factor,
+                                   double backoff_factor, int64_t growth_interval,
+                                   int64_t hysteresis);
+
+// True when amp_C holds the CUDA kernels, was built against a CUDA PyTorch and a GPU is present.
+bool cuda_available();
+
+}  // namespace amp_C

@@ -1,0 +1,147 @@
+// The CPU multi-tensor-apply launcher: the twin of ../multi_tensor_apply.cuh.
+//
+// Tensors are cut into pieces of at most `chunk_size` elements (the same chunks the CUDA kernels
+// use) and at::parallel_for spreads the pieces over threads, so one call is parallel over
+// tensors and over the elements of large tensors. Each piece runs a plain loop over raw pointers
+// that the compiler vectorises; on x86-64 every loop is also compiled for x86-64-v3 (AVX2, FMA, F16C) and chosen
+// at run time (AMP_CPU_CLONES), so the build needs no machine-specific flags.
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <atomic>
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "../amp_C_kernels.h"
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+// flatten: the dtype dispatch and loops must be inlined into each clone to be compiled for it.
+#define AMP_CPU_CLONES __attribute__((flatten, target_clones("arch=x86-64-v3", "default")))
+#else
+#define AMP_CPU_CLONES __attribute__((flatten))
+#endif
+#define AMP_INLINE inline __attribute__((always_inline))
+
+namespace amp_C {
+namespace cpu {
+
+// Elements a parallel task handles at least: below this the threads cost more than they save.
+constexpr int64_t kMinElementsPerTask = 32768;
+
+struct Piece {
+  int64_t tensor;
+  int64_t begin;
+  int64_t end;
+};
+
+// Calls fn(piece) for every chunk of every tensor, in parallel. Returns nothing; fn records
+// results in per-piece or atomic state.
+template <typename Fn>
+void for_each_piece(const TensorLists& lists, int64_t chunk_size, const Fn& fn) {
+  std::vector<Piece> pieces;
+  for (int64_t t = 0; t < static_cast<int64_t>(lists.numel.size()); ++t) {
+    for (int64_t begin = 0; begin < lists.numel[t]; begin += chunk_size) {
+      pieces.push_back({t, begin, std::min(begin + chunk_size, lists.numel[t])});
+    }
+  }
+  const int64_t grain = std::max<int64_t>(1, kMinElementsPerTask / chunk_size);
+  at::parallel_for(0, static_cast<int64_t>(pieces.size()), grain, [&](int64_t lo, int64_t hi) {
+    for (int64_t p = lo; p < hi; ++p) fn(pieces[p]);
+  });
+}
+
+// Element types of the loops: plain 16-bit storage the vectoriser understands (c10::Half and
+// c10::BFloat16 are classes it will not vectorise). Conversions round to nearest even exactly
+// like c10's; NaN payloads may differ.
+struct half_t {
+  uint16_t bits;
+};
+struct bf16_t {
+  uint16_t bits;
+};
+
+template <typename F>
+AMP_INLINE void dispatch_float_types(DType dtype, const char* op, F&& f) {
+  switch (dtype) {
+    case DType::Float32: f(float{}); break;
+    case DType::Float16: f(half_t{}); break;
+    case DType::BFloat16: f(bf16_t{}); break;
+    default: throw std::runtime_error(std::string(op) + ": unsupported dtype");
+  }
+}
+
+AMP_INLINE float bits_to_float(uint32_t bits) {
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+AMP_INLINE uint32_t float_to_bits(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof(bits));
+  return bits;
+}
+
+AMP_INLINE float to_float(float x) { return x; }
+
+// fp16 -> fp32 without branches, so that it vectorises: shifting exponent and mantissa into
+// place gives the value times 2^-112 (exact, subnormals included); multiplying by 2^112 restores
+// it. Inf and NaN (exponent all ones) instead get the fp32 all-ones exponent.
+AMP_INLINE float to_float(half_t x) {
+  const uint32_t sign = static_cast<uint32_t>(x.bits & 0x8000u) << 16;
+  const uint32_t magnitude = x.bits & 0x7fffu;
+  const uint32_t shifted = magnitude << 13;
+  const uint32_t finite = float_to_bits(bits_to_float(shifted) * 0x1p112f);
+  const uint32_t special = shifted | 0x7f800000u;
+  const uint32_t is_special = 0u - static_cast<uint32_t>(magnitude >= 0x7c00u);  // all ones or 0
+  return bits_to_float(sign | (special & is_special) | (finite & ~is_special));
+}
+
+AMP_INLINE float to_float(bf16_t x) { return bits_to_float(static_cast<uint32_t>(x.bits) << 16); }
+
+template <typename T> AMP_INLINE T from_float(float x);
+template <> AMP_INLINE float from_float<float>(float x) { return x; }
+template <> AMP_INLINE half_t from_float<half_t>(float x) {
+#if defined(__FLT16_MAX__)
+  const _Float16 h = static_cast<_Float16>(x);  // one F16C instruction in the x86-64-v3 clones
+  half_t out;
+  std::memcpy(&out.bits, &h, sizeof(h));
+  return out;
+#else
+  return half_t{c10::Half(x).x};
+#endif
+}
+template <> AMP_INLINE bf16_t from_float<bf16_t>(float x) {
+  const uint32_t bits = float_to_bits(x);
+  const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+  return bf16_t{x != x ? uint16_t{0x7fc0} : static_cast<uint16_t>(rounded)};  // c10's NaN
+}
+
+// NaN fails the comparison, so this is the finiteness test, in a form the vectoriser accepts.
+AMP_INLINE bool non_finite(float x) { return !(std::fabs(x) <= FLT_MAX); }
+
+AMP_INLINE float read_scalar(Scalar s) { return s.ptr ? *s.ptr : s.value; }
+
+inline void raise_flag(Flag flag) {
+  if (flag.dtype == DType::Int32) {
+    *static_cast<int32_t*>(flag.ptr) = 1;
+  } else {
+    *static_cast<float*>(flag.ptr) = 1.f;
+  }
+}
+
+inline bool flag_is_set(Flag flag) {
+  return flag.dtype == DType::Int32 ? *static_cast<const int32_t*>(flag.ptr) != 0
+                                    : *static_cast<const float*>(flag.ptr) != 0.f;
+}
+
+}  // namespace cpu
+}  // namespace amp_C

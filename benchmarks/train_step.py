@@ -2,9 +2,10 @@
 
 Every configuration is rebuilt and timed once per round and the rounds are interleaved, so slow
 drifts of a noisy machine hit all of them alike; medians are printed. Besides the step time the
-table gives each configuration's forward+backward time alone: the difference is the per-step
-overhead of loss scaling, unscaling, the overflow check and the optimizer step, which is what
-amp and GradScaler actually compete on. Peak memory is measured on CUDA only.
+table gives each step's overhead: the time from the end of backward to the end of the step
+(unscaling, the overflow check, the optimizer step, the master->model copy; GradScaler's
+step and update), measured inside the same steps, which is what amp and GradScaler actually
+compete on. Peak memory is measured on CUDA only.
 
     python benchmarks/train_step.py                 # CPU
     python benchmarks/train_step.py --device cuda --steps 50
@@ -87,9 +88,13 @@ def build(config, model_fn, device, fused):
     return kind, dtype, model, optimizer
 
 
-def make_step(kind, dtype, model, optimizer, device, full_step):
-    """A closure running one training step (or, with ``full_step=False``, forward+backward only)."""
+def make_step(kind, dtype, model, optimizer, device):
+    """A closure running one training step; it returns the seconds spent after backward."""
     scaler = torch.amp.GradScaler(device.type) if kind == "autocast" and dtype == torch.float16 else None
+
+    def backward_done():
+        synchronize(device)
+        return time.perf_counter()
 
     def step(x, y):
         optimizer.zero_grad(set_to_none=True)
@@ -98,19 +103,22 @@ def make_step(kind, dtype, model, optimizer, device, full_step):
                 loss = loss_fn(model(x), y)
         else:
             loss = loss_fn(model(x), y)
-        if not full_step:
-            loss.backward()
-        elif kind.startswith("O"):
+        if kind.startswith("O"):
             with amp.scale_loss(loss, optimizer) as scaled_loss:
                 scaled_loss.backward()
+                after_backward = backward_done()
             optimizer.step()
         elif scaler is not None:
             scaler.scale(loss).backward()
+            after_backward = backward_done()
             scaler.step(optimizer)
             scaler.update()
         else:
             loss.backward()
+            after_backward = backward_done()
             optimizer.step()
+        synchronize(device)
+        return time.perf_counter() - after_backward
     return step
 
 
@@ -125,28 +133,25 @@ def time_steps(step, x, y, steps, warmup, device):
     synchronize(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    times = []
+    times, overheads = [], []
     for _ in range(steps):
         start = time.perf_counter()
-        step(x, y)
-        synchronize(device)
+        overheads.append(step(x, y))
         times.append(time.perf_counter() - start)
     peak = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else float("nan")
-    return statistics.median(times), peak
+    return statistics.median(times), statistics.median(overheads), peak
 
 
 def run(workload_name, args, device):
     model_fn, x, y = workload(workload_name, device)
-    results = {name: {"step": [], "fwd_bwd": [], "peak": []} for name in CONFIGS}
+    results = {name: {"step": [], "overhead": [], "peak": []} for name in CONFIGS}
     for round_index in range(args.rounds):
         for name in CONFIGS:
-            for full_step, key in ((True, "step"), (False, "fwd_bwd")):
-                kind, dtype, model, optimizer = build(name, model_fn, device, args.fused)
-                step = make_step(kind, dtype, model, optimizer, device, full_step)
-                seconds, peak = time_steps(step, x, y, args.steps, args.warmup, device)
-                results[name][key].append(seconds)
-                if full_step:
-                    results[name]["peak"].append(peak)
+            kind, dtype, model, optimizer = build(name, model_fn, device, args.fused)
+            step = make_step(kind, dtype, model, optimizer, device)
+            measured = time_steps(step, x, y, args.steps, args.warmup, device)
+            for key, value in zip(("step", "overhead", "peak"), measured):
+                results[name][key].append(value)
         print(f"  [{workload_name}] round {round_index + 1}/{args.rounds} done", flush=True)
     return {name: {key: statistics.median(values) for key, values in r.items()}
             for name, r in results.items()}
@@ -154,22 +159,21 @@ def run(workload_name, args, device):
 
 def print_table(workload_name, table):
     print(f"\n{workload_name}: medians over rounds (ms per step)")
-    print(f"{'config':30} {'step':>9} {'fwd+bwd':>9} {'overhead':>9} {'step/fp32':>10} "
-          f"{'overhead vs torch':>18} {'peak MiB':>9}")
+    print(f"{'config':30} {'step':>9} {'overhead':>9} {'step/fp32':>10} "
+          f"{'vs torch: overhead / step':>26} {'peak MiB':>9}")
     fp32_step = table["fp32"]["step"]
     for name, row in table.items():
         kind, dtype = CONFIGS[name]
-        overhead = row["step"] - row["fwd_bwd"]
         torch_name = "autocast fp16 + GradScaler" if dtype == torch.float16 else "autocast bf16"
         versus = ""
         if kind.startswith("O"):
             torch_row = table[torch_name]
-            versus = (f"{overhead / (torch_row['step'] - torch_row['fwd_bwd']):.2f}x / "
+            versus = (f"{row['overhead'] / torch_row['overhead']:.2f}x / "
                       f"{row['step'] / torch_row['step']:.2f}x")
-        print(f"{name:30} {row['step'] * 1e3:9.2f} {row['fwd_bwd'] * 1e3:9.2f} {overhead * 1e3:9.2f} "
-              f"{row['step'] / fp32_step:10.2f} {versus:>18} {row['peak']:9.1f}")
-    print("overhead vs torch = amp's (step - fwd+bwd) / torch's, then amp's step / torch's step, "
-          "against the torch config of the same dtype.")
+        print(f"{name:30} {row['step'] * 1e3:9.2f} {row['overhead'] * 1e3:9.2f} "
+              f"{row['step'] / fp32_step:10.2f} {versus:>26} {row['peak']:9.1f}")
+    print("overhead = end of backward to end of step. vs torch = amp's / the torch config's of the "
+          "same dtype (autocast+GradScaler for fp16, autocast for bf16).")
 
 
 def main():

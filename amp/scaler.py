@@ -197,6 +197,9 @@ class LossScaler:
     def _ratio(self, numerator, denominator):
         # Divided in fp64 and then rounded to fp32, as GradScaler does: fp32 division can be
         # imprecise under some compiler flags, and Apex computed these ratios in Python doubles.
+        if not isinstance(numerator, torch.Tensor) and float(numerator) == 1.0:
+            # The common case (unscaling): one op fewer on the per-step path.
+            return self._as_float64(denominator).reciprocal().to(torch.float32)
         return (self._as_float64(numerator) / self._as_float64(denominator)).to(torch.float32)
 
     def _check_buffer(self):

@@ -27,7 +27,7 @@ class AmpOptimizerState:
     def __init__(self, master_weights, param_names, max_consecutive_skips, device):
         self.master_weights = bool(master_weights)
         self.lazy_init_called = False
-        self.already_patched = False
+        self.already_patched = False  # Apex field; stays False: step is never re-patched here
         self.params_have_scaled_gradients = False
         self.param_names = param_names
         # loss_id -> overflow flag (device tensor) of the backward passes since the last step.
@@ -87,45 +87,55 @@ def _check_param_type(param, what):
 
 def _lazy_init_with_master_weights(self):
     stash = self._amp_stash
-    stash.fp16_groups, stash.fp32_from_fp16_groups, stash.fp32_from_fp32_groups = [], [], []
+    for name in ("fp16_groups", "fp32_from_fp16_groups", "fp32_from_fp32_groups", "all_fp16_params",
+                 "all_fp32_from_fp16_params", "all_fp32_from_fp32_params", "all_fp16_grad_stash",
+                 "all_fp32_from_fp32_grad_stash"):
+        setattr(stash, name, [])
     for group in self.param_groups:
-        fp16_group, masters, fp32_group = _make_masters(self, group)
-        stash.fp16_groups.append(fp16_group)
-        stash.fp32_from_fp16_groups.append(masters)
-        stash.fp32_from_fp32_groups.append(fp32_group)
-    stash.all_fp16_params = [p for group in stash.fp16_groups for p in group]
-    stash.all_fp32_from_fp16_params = [p for group in stash.fp32_from_fp16_groups for p in group]
-    stash.all_fp32_from_fp32_params = [p for group in stash.fp32_from_fp32_groups for p in group]
-    stash.all_fp16_grad_stash = [None for _ in stash.all_fp16_params]
-    stash.all_fp32_from_fp32_grad_stash = [None for _ in stash.all_fp32_from_fp32_params]
+        _add_master_group(self, group, stash.fp32_values)
     for param in stash.all_fp32_from_fp16_params + stash.all_fp32_from_fp32_params:
         param.grad = None
     # Recast existing optimizer state (momentum, ...) to the masters' fp32.
     self.load_state_dict(self.state_dict())
 
 
-def _make_masters(optimizer, group, fp32_values=None):
-    """Swap each low-precision param of ``group`` for an fp32 master; returns the three lists."""
+def _add_master_group(optimizer, group, fp32_values):
+    """Swap each low-precision param of ``group`` for an fp32 master and record all three kinds."""
     stash = optimizer._amp_stash
     for param in group["params"]:
         if param.requires_grad:
             _check_param_type(param, "Optimizer parameters")
-    fp32_values = fp32_values if fp32_values is not None else stash.fp32_values
     fp16_params, masters, fp32_params = swap_in_fp32_masters(optimizer, group, fp32_values)
     for param, master in zip(fp16_params, masters):
         stash.param_names.setdefault(master, stash.param_names.get(param))
-    return fp16_params, masters, fp32_params
+    stash.fp16_groups.append(fp16_params)
+    stash.fp32_from_fp16_groups.append(masters)
+    stash.fp32_from_fp32_groups.append(fp32_params)
+    stash.all_fp16_params += fp16_params
+    stash.all_fp32_from_fp16_params += masters
+    stash.all_fp32_from_fp32_params += fp32_params
+    stash.all_fp16_grad_stash += [None for _ in fp16_params]
+    stash.all_fp32_from_fp32_grad_stash += [None for _ in fp32_params]
 
 
 def _lazy_init_no_master_weights(self):
     stash = self._amp_stash
     stash.all_fp16_params, stash.all_fp32_params = [], []
+    stash.all_fp16_grad_stash, stash.all_fp32_grad_stash = [], []
     for group in self.param_groups:
-        for param in group["params"]:
-            _check_param_type(param, "Optimizer parameters")
-            (stash.all_fp16_params if param.dtype in LOW_PRECISION else stash.all_fp32_params).append(param)
-    stash.all_fp16_grad_stash = [None for _ in stash.all_fp16_params]
-    stash.all_fp32_grad_stash = [None for _ in stash.all_fp32_params]
+        _add_plain_params(stash, group["params"])
+
+
+def _add_plain_params(stash, params):
+    """Sort params into the low-precision and fp32 lists (no masters), each with a stash slot."""
+    for param in params:
+        _check_param_type(param, "Optimizer parameters")
+        if param.dtype in LOW_PRECISION:
+            stash.all_fp16_params.append(param)
+            stash.all_fp16_grad_stash.append(None)
+        else:
+            stash.all_fp32_params.append(param)
+            stash.all_fp32_grad_stash.append(None)
 
 
 def _amp_lazy_init(self):
@@ -259,24 +269,9 @@ def _add_param_group(self, new_group):
     else:
         new_group["params"] = list(params)
     if stash.master_weights:
-        fp16_params, masters, fp32_params = _make_masters(self, new_group, fp32_values={})
-        stash.fp16_groups.append(fp16_params)
-        stash.fp32_from_fp16_groups.append(masters)
-        stash.fp32_from_fp32_groups.append(fp32_params)
-        stash.all_fp16_params += fp16_params
-        stash.all_fp32_from_fp16_params += masters
-        stash.all_fp32_from_fp32_params += fp32_params
-        stash.all_fp16_grad_stash += [None for _ in fp16_params]
-        stash.all_fp32_from_fp32_grad_stash += [None for _ in fp32_params]
+        _add_master_group(self, new_group, fp32_values={})
     else:
-        for param in new_group["params"]:
-            _check_param_type(param, "Optimizer parameters")
-            if param.dtype in LOW_PRECISION:
-                stash.all_fp16_params.append(param)
-                stash.all_fp16_grad_stash.append(None)
-            else:
-                stash.all_fp32_params.append(param)
-                stash.all_fp32_grad_stash.append(None)
+        _add_plain_params(stash, new_group["params"])
     stash.original_add_param_group(new_group)
 
 
@@ -372,7 +367,6 @@ def _amp_step(self, closure=None, *args, **kwargs):
         raise RuntimeError("Currently, Amp does not support closure use with optimizers under master "
                            "weights (O2/O5): call the closure yourself, then optimizer.step().")
     flags_by_loss, stash.found_inf_by_loss = stash.found_inf_by_loss, {}
-    stash.already_patched = False
     casts_off = casting.disable_casts() if stash.patch_torch_functions else contextlib.nullcontext()
     with casts_off:
         if not flags_by_loss:

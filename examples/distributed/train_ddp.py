@@ -119,6 +119,9 @@ def main(argv=None):
               f"{identical}")
     else:
         fell = common.window_mean(losses, False) < common.window_mean(losses, True)
+    # Rank 0 evaluates alone: let every rank get here before the group goes away (gloo aborts a
+    # process that tears its group down while a peer is still connected).
+    dist.barrier()
     dist.destroy_process_group()
     if not identical:
         return 1

@@ -1,8 +1,39 @@
-"""The process-wide amp state that Apex code and tests poke (``amp._amp_state``).
+"""Per-``initialize`` contexts, and the process-wide view of the latest one (``amp._amp_state``).
 
-Only ``frontend.initialize`` writes the configuration fields; everything else reads them.
+Each successful ``amp.initialize`` builds one :class:`AmpContext` (its options and loss scalers)
+and every optimizer it returns reaches that context through ``optimizer._amp_stash.context``, so
+a later ``initialize`` on other objects never changes how an earlier run scales, unscales or
+skips. ``_amp_state`` keeps Apex's fields as a read view of the latest context for code that
+pokes it (``amp._amp_state.loss_scalers[0]``); the O1/O4 function patches are process-wide by
+nature and live there too (``handle``).
+
+Diagnostics go through ``logging.getLogger("amp")`` (configuration at INFO, skipped steps at
+WARNING), so applications can filter or redirect them; ``verbosity=0`` silences them.
 """
+import logging
+import warnings
+import weakref
+
 import torch.distributed as dist
+
+logger = logging.getLogger("amp")
+
+
+class AmpContext:
+    """What one ``amp.initialize`` call configured: options (``Properties``) and loss scalers."""
+
+    def __init__(self, properties, loss_scalers=(), verbosity=1, overflow_process_group=None,
+                 min_loss_scale=None, max_loss_scale=2.0**24):
+        self.properties = properties
+        self.loss_scalers = list(loss_scalers)
+        self.verbosity = verbosity
+        self.overflow_process_group = overflow_process_group
+        self.min_loss_scale = min_loss_scale
+        self.max_loss_scale = max_loss_scale
+
+    @property
+    def enabled(self):
+        return self.properties.enabled
 
 
 class AmpState:
@@ -16,6 +47,19 @@ class AmpState:
         self.min_loss_scale = None
         self.max_loss_scale = 2.0**24
         self.overflow_process_group = None
+        self.context = None
+        # Optimizers seen by an ``initialize(enabled=False)``: scale_loss passes their loss through.
+        self.disabled_optimizers = weakref.WeakSet()
+
+    def publish(self, context):
+        """Make ``context`` the latest one, as Apex's global fields show it."""
+        self.context = context
+        self.opt_properties = context.properties
+        self.loss_scalers = context.loss_scalers
+        self.verbosity = context.verbosity
+        self.min_loss_scale = context.min_loss_scale
+        self.max_loss_scale = context.max_loss_scale
+        self.overflow_process_group = context.overflow_process_group
 
 
 _amp_state = AmpState()
@@ -25,15 +69,19 @@ def _is_rank_zero():
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
-def maybe_print(msg, rank0=False):
-    """Print ``msg`` when verbosity > 0 (and, with ``rank0``, only on rank 0)."""
-    if _amp_state.verbosity > 0 and (not rank0 or _is_rank_zero()):
-        print(msg)
+def maybe_print(msg, rank0=False, level=logging.INFO, verbosity=None):
+    """Log ``msg`` to the ``amp`` logger unless verbosity is 0 (with ``rank0``, only on rank 0).
+
+    ``verbosity`` defaults to the latest ``initialize``'s.
+    """
+    verbosity = _amp_state.verbosity if verbosity is None else verbosity
+    if verbosity > 0 and (not rank0 or _is_rank_zero()):
+        logger.log(level, msg)
 
 
 def warn_or_err(msg):
-    """Raise ``RuntimeError(msg)``, or only print it when ``_amp_state.hard_override`` is set."""
+    """Raise ``RuntimeError(msg)``, or only warn when ``_amp_state.hard_override`` is set."""
     if _amp_state.hard_override:
-        print("Warning:  " + msg)
+        warnings.warn(msg, stacklevel=3)
     else:
         raise RuntimeError(msg)

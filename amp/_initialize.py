@@ -13,7 +13,7 @@ from fp16_utils.fp16util import convert_network
 
 from . import casting
 from ._amp_state import _amp_state, warn_or_err
-from ._process_optimizer import _process_optimizer
+from ._process_optimizer import ATTACHED_METHODS, _process_optimizer
 from .scaler import LossScaler
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -125,31 +125,30 @@ def _register_fp32_state_dict_hooks(model, master_of):
     model.register_load_state_dict_pre_hook(load_masters)
 
 
-def _initialize(models, optimizers, properties, num_losses, cast_model_outputs, scaler_options,
-                max_consecutive_skips, overflow_process_group):
+def _as_model_list(models):
+    if isinstance(models, nn.Module):
+        return [models], False
+    if isinstance(models, list):
+        return models, True
+    raise TypeError("models must be either a single model or a list of models, got "
+                    f"{type(models).__name__}; pass a list, e.g. amp.initialize([model_a, model_b], ...).")
+
+
+def _as_optimizer_list(optimizers):
+    """``(list of optimizers, how to give them back)``."""
+    if optimizers is None:
+        return [], None
+    if isinstance(optimizers, (list, tuple)):
+        return list(optimizers), type(optimizers)
+    if isinstance(optimizers, torch.optim.Optimizer):
+        return [optimizers], "single"
+    raise TypeError("optimizers must be either a single optimizer or a list of optimizers, got "
+                    f"{type(optimizers).__name__}.")
+
+
+def _check_optimizers(optimizers):
     from fp16_utils import FP16_Optimizer
 
-    if isinstance(models, nn.Module):
-        models_was_list = False
-        models = [models]
-    elif isinstance(models, list):
-        models_was_list = True
-    else:
-        raise TypeError("models must be either a single model or a list of models, got "
-                        f"{type(models).__name__}; pass a list, e.g. amp.initialize([model_a, model_b], ...).")
-
-    if optimizers is None:
-        optimizers_container = None
-        optimizers = []
-    elif isinstance(optimizers, (list, tuple)):
-        optimizers_container = type(optimizers)
-        optimizers = list(optimizers)
-    elif isinstance(optimizers, torch.optim.Optimizer):
-        optimizers_container = "single"
-        optimizers = [optimizers]
-    else:
-        raise TypeError("optimizers must be either a single optimizer or a list of optimizers, got "
-                        f"{type(optimizers).__name__}.")
     for optimizer in optimizers:
         if isinstance(optimizer, FP16_Optimizer):
             raise RuntimeError("An incoming optimizer is an instance of fp16_utils.FP16_Optimizer. "
@@ -162,13 +161,56 @@ def _initialize(models, optimizers, properties, num_losses, cast_model_outputs, 
             raise RuntimeError("A given optimizer should only be passed through amp.initialize once. "
                                "Create a new optimizer for the new models, or keep using the one "
                                "amp.initialize returned the first time.")
+        for name in ATTACHED_METHODS:
+            if hasattr(optimizer, name):
+                raise RuntimeError(f"Incoming optimizer already has {name} defined.")
     if len({id(opt) for opt in optimizers}) != len(optimizers):
         raise RuntimeError("The same optimizer appears more than once in the optimizers passed to "
                            "amp.initialize; pass each optimizer once.")
 
+
+def _named_params(models):
+    """``{param: name}`` over all models (``model{i}.`` prefixes when there are several)."""
+    names = {}
+    for model_idx, model in enumerate(models):
+        prefix = f"model{model_idx}." if len(models) > 1 else ""
+        for name, param in model.named_parameters():
+            names.setdefault(param, prefix + name)
+    return names
+
+
+def _check_param_dtypes(param_names, optimizers):
+    """Reject what amp cannot train in mixed precision, naming the parameter and the fix."""
+    params = dict(param_names)
+    for opt_idx, optimizer in enumerate(optimizers):
+        for group in optimizer.param_groups:
+            for index, param in enumerate(group["params"]):
+                params.setdefault(param, f"<parameter {index} of optimizer {opt_idx}>")
+    for param, name in params.items():
+        if param.is_complex() or param.dtype == torch.float64:
+            raise TypeError(
+                f"Parameter {name} has dtype {param.dtype}: amp trains float32 models in fp16 or "
+                "bf16 and would silently drop precision (or the imaginary part). Convert the model "
+                "with model.float() before amp.initialize, or train it without amp.")
+        if not param.is_floating_point():
+            raise TypeError(f"Parameter {name} has dtype {param.dtype}: optimizer parameters must be "
+                            "floating point (torch.float32, torch.float16 or torch.bfloat16).")
+
+
+def _initialize(models, optimizers, context, num_losses, cast_model_outputs, scaler_options,
+                max_consecutive_skips):
+    """Check everything, then change models and optimizers; a call that raises changes nothing."""
+    properties = context.properties
+    models, models_was_list = _as_model_list(models)
+    optimizers, optimizers_container = _as_optimizer_list(optimizers)
+    _check_optimizers(optimizers)
     _check_models(models)
     _check_params_fp32(models)
+    param_names = _named_params(models)
+    _check_param_dtypes(param_names, optimizers)
+    loss_scalers = [LossScaler(properties.loss_scale, **scaler_options) for _ in range(num_losses)]
 
+    # Nothing below raises on user input: from here on, models and optimizers change.
     # Masters start from the exact fp32 values, taken before the model is cast.
     fp32_values = {}
     cast_type = properties.cast_model_type
@@ -195,14 +237,9 @@ def _initialize(models, optimizers, properties, num_losses, cast_model_outputs, 
         for model in models:
             _patch_forward(model, None, output_caster)
 
-    param_names = {}
-    for model_idx, model in enumerate(models):
-        prefix = f"model{model_idx}." if len(models) > 1 else ""
-        for name, param in model.named_parameters():
-            param_names.setdefault(param, prefix + name)
-
+    context.loss_scalers = loss_scalers
     for optimizer in optimizers:
-        _process_optimizer(optimizer, properties, param_names, fp32_values, max_consecutive_skips)
+        _process_optimizer(optimizer, context, param_names, fp32_values, max_consecutive_skips)
 
     if cast_type in LOW_PRECISION:
         master_of = {}
@@ -214,17 +251,14 @@ def _initialize(models, optimizers, properties, num_losses, cast_model_outputs, 
         for model in models:
             _register_fp32_state_dict_hooks(model, master_of)
 
-    _amp_state.overflow_process_group = overflow_process_group
-    _amp_state.loss_scalers = [LossScaler(properties.loss_scale, **scaler_options)
-                               for _ in range(num_losses)]
-
     if properties.patch_torch_functions:
-        casting.init(loss_scale=properties.loss_scale, verbose=(_amp_state.verbosity == 2),
+        casting.init(loss_scale=properties.loss_scale, verbose=(context.verbosity == 2),
                      patch_type=properties.patch_torch_functions_type)
     elif _amp_state.handle is not None:
         # A previous O1/O4 initialize left its patches in place: remove them.
         _amp_state.handle._deactivate()
         _amp_state.handle = None
+    _amp_state.publish(context)
 
     if optimizers_container is None:
         return models if models_was_list else models[0]

@@ -9,16 +9,19 @@ way a skipped step leaves parameters, optimizer state and step counters untouche
 import contextlib
 import functools
 import types
+import warnings
 
 import torch
 
 from fp16_utils.fp16util import swap_in_fp32_masters
 
 from . import casting
-from ._amp_state import _amp_state
 from ._overflow_report import OverflowReporter, non_finite_grad_names
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
+# Methods _process_optimizer attaches; an optimizer that already has one is refused.
+ATTACHED_METHODS = ("_lazy_init_maybe_master_weights", "_master_params_to_model_params",
+                    "_prepare_amp_backward", "_post_amp_backward", "_amp_lazy_init")
 
 
 class AmpOptimizerState:
@@ -29,6 +32,11 @@ class AmpOptimizerState:
         self.lazy_init_called = False
         self.already_patched = False  # Apex field; stays False: step is never re-patched here
         self.params_have_scaled_gradients = False
+        # Phase of the GradScaler-like state machine: inside a scale_loss block; unscaled
+        # gradients waiting for step(); step() without scale_loss under master weights (warned once).
+        self.in_scale_loss = False
+        self.unscaled_since_step = False
+        self.warned_step_without_scale_loss = False
         self.param_names = param_names
         # loss_id -> overflow flag (device tensor) of the backward passes since the last step.
         self.found_inf_by_loss = {}
@@ -41,6 +49,12 @@ class AmpOptimizerState:
         self.host_total_skips = 0
         self.host_consecutive_skips = 0
         self.host_counters = _HostCounters(device)
+
+    def model_params(self):
+        """The model's own parameters this optimizer trains (not the masters)."""
+        if self.master_weights:
+            return self.all_fp16_params + self.all_fp32_from_fp32_params
+        return self.all_fp16_params + self.all_fp32_params
 
 
 class _HostCounters:
@@ -280,11 +294,11 @@ def _combine_flags(flags):
     return flags[0] if len(flags) == 1 else torch.cat(flags).amax(dim=0, keepdim=True)
 
 
-def _describe_skip(overflowed_loss_ids):
+def _describe_skip(scalers, overflowed_loss_ids):
     def describe():
         return "; ".join(
             f"Gradient overflow.  Skipping step, loss scaler {loss_id} reducing loss scale to "
-            f"{_amp_state.loss_scalers[loss_id].loss_scale()}" for loss_id in overflowed_loss_ids)
+            f"{scalers[loss_id].loss_scale()}" for loss_id in overflowed_loss_ids)
     return describe
 
 
@@ -357,8 +371,29 @@ def _step_reading_flag(self, flags_by_loss, closure, args, kwargs):
     stash.host_total_skips += not applied
     stash.host_consecutive_skips = 0 if applied else stash.host_consecutive_skips + 1
     stash.reporter.report(stash.host_total_skips, stash.host_consecutive_skips,
-                          _describe_skip(overflowed), _culprit_finder(self))
+                          _describe_skip(stash.context.loss_scalers, overflowed),
+                          _culprit_finder(self))
     return result, applied
+
+
+def _check_step_phase(stash):
+    if stash.in_scale_loss:
+        raise RuntimeError("optimizer.step() was called inside its amp.scale_loss block: the "
+                           "gradients are unscaled when the block exits. Call step() after the "
+                           "`with` block.")
+    if stash.params_have_scaled_gradients:
+        raise RuntimeError("optimizer.step() was called while the gradients are still scaled: the "
+                           "last amp.scale_loss block used delay_unscale=True and no block without "
+                           "it followed. Run the last backward of the step in a scale_loss block "
+                           "with delay_unscale=False (it unscales everything), then call step().")
+    if stash.master_weights and not stash.unscaled_since_step and not stash.warned_step_without_scale_loss:
+        stash.warned_step_without_scale_loss = True
+        warnings.warn("optimizer.step() was called under master weights (O2/O5) with no "
+                      "amp.scale_loss backward since the last step: the fp32 master weights have no "
+                      "gradients, so nothing is trained. Run the backward inside "
+                      "`with amp.scale_loss(loss, optimizer) as scaled_loss:`. (Warned once.)",
+                      stacklevel=3)
+    stash.unscaled_since_step = False
 
 
 def _amp_step(self, closure=None, *args, **kwargs):
@@ -366,6 +401,7 @@ def _amp_step(self, closure=None, *args, **kwargs):
     if stash.master_weights and closure is not None:
         raise RuntimeError("Currently, Amp does not support closure use with optimizers under master "
                            "weights (O2/O5): call the closure yourself, then optimizer.step().")
+    _check_step_phase(stash)
     flags_by_loss, stash.found_inf_by_loss = stash.found_inf_by_loss, {}
     casts_off = casting.disable_casts() if stash.patch_torch_functions else contextlib.nullcontext()
     with casts_off:
@@ -382,14 +418,15 @@ def _amp_step(self, closure=None, *args, **kwargs):
     return result
 
 
-def _process_optimizer(optimizer, properties, param_names, fp32_values, max_consecutive_skips):
-    """Attach ``_amp_stash`` and amp's methods to ``optimizer`` (once) and create its masters."""
-    for name in ("_lazy_init_maybe_master_weights", "_master_params_to_model_params",
-                 "_prepare_amp_backward", "_post_amp_backward", "_amp_lazy_init"):
-        if hasattr(optimizer, name):
-            raise RuntimeError(f"Incoming optimizer already has {name} defined.")
+def _process_optimizer(optimizer, context, param_names, fp32_values, max_consecutive_skips):
+    """Attach ``_amp_stash`` and amp's methods to ``optimizer`` (once) and create its masters.
+
+    ``amp.initialize`` has checked the optimizer already (see ``ATTACHED_METHODS``).
+    """
+    properties = context.properties
     stash = AmpOptimizerState(properties.master_weights, dict(param_names), max_consecutive_skips,
                               _param_device(optimizer))
+    stash.context = context
     stash.patch_torch_functions = properties.patch_torch_functions
     stash.fp32_values = fp32_values
     optimizer._amp_stash = stash

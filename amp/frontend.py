@@ -6,14 +6,16 @@ import copy
 from collections import OrderedDict
 
 import torch
+import torch.distributed as dist
 
-from ._amp_state import _amp_state, maybe_print, warn_or_err
+from ._amp_state import AmpContext, _amp_state, maybe_print, warn_or_err
 from ._initialize import _initialize
 
 __all__ = ["initialize", "state_dict", "load_state_dict", "master_params", "last_step_applied",
            "skipped_steps", "Properties"]
 
 LOW_PRECISION_OPT_LEVELS = {"O1": torch.float16, "O4": torch.bfloat16}
+CAST_MODEL_TYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 # opt level -> (brief, options). Every preset also sets enabled=True and opt_level.
 OPT_LEVELS = {
@@ -75,13 +77,14 @@ class Properties:
                 warn_or_err(f"{self.opt_level} inserts casts around Torch functions rather than "
                             f"casting model weights, so with {self.opt_level} cast_model_type should "
                             "be None (or torch.float32); use O2/O5 to cast the model.")
-            if value not in (None, False) and not isinstance(value, torch.dtype):
-                raise TypeError(f"cast_model_type must be a torch.dtype, None or False, got {value!r}.")
+            if value not in (None, False) and value not in CAST_MODEL_TYPES:
+                raise TypeError("cast_model_type must be torch.float16, torch.bfloat16, "
+                                f"torch.float32, None or False, got {value!r}.")
         elif name == "patch_torch_functions":
+            _check_bool("patch_torch_functions", value)
             if value and not patching_level:
                 warn_or_err("Currently, patch_torch_functions=True should only be set by selecting "
                             "opt_level='O1' (or 'O4' for bfloat16).")
-            value = bool(value)
         elif name == "keep_batchnorm_fp32":
             if patching_level and value is not None:
                 warn_or_err(f"With opt_level {self.opt_level}, batchnorm functions are automatically "
@@ -92,10 +95,15 @@ class Properties:
                 raise ValueError("keep_batchnorm_fp32 must be True, False, None, 'True' or 'False', "
                                  f"got {value!r}.")
         elif name == "master_weights":
+            if value is not None:
+                _check_bool("master_weights", value)
             if patching_level and value is not None:
                 warn_or_err(f"It doesn't make sense to use master_weights with {self.opt_level}: with "
                             f"{self.opt_level} your model weights themselves should be FP32.")
         elif name == "loss_scale":
+            if isinstance(value, bool):
+                raise TypeError(f"loss_scale must be 'dynamic' or a positive number, got {value!r}; "
+                                "a bool is not a loss scale.")
             if value != "dynamic":
                 try:
                     value = float(value)
@@ -106,14 +114,69 @@ class Properties:
         self.options[name] = value
 
 
-def _print_options(properties):
-    for key, value in properties.options.items():
-        maybe_print(f"{key:22} : {value}", rank0=True)
+def _options_table(options):
+    return "\n".join(f"{key:22} : {value}" for key, value in options.items())
+
+
+def _check_bool(name, value):
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}"
+                        + (" (a string, not a bool)." if isinstance(value, str) else "."))
 
 
 def _check_positive_int(name, value):
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+
+
+def _check_process_group(group):
+    if group is None:
+        return
+    process_group = getattr(dist, "ProcessGroup", None) if dist.is_available() else None
+    if process_group is None or not isinstance(group, process_group):
+        raise TypeError("overflow_process_group must be None or a torch.distributed process group "
+                        "(dist.group.WORLD, or one made by dist.new_group), got "
+                        f"{group!r}.")
+
+
+def _check_arguments(enabled, opt_level, verbosity, num_losses, cast_model_outputs, growth_interval,
+                     hysteresis, max_consecutive_skips, overflow_process_group):
+    """Every check of initialize's own arguments that needs no model or optimizer."""
+    _check_bool("enabled", enabled)
+    if isinstance(verbosity, bool) or verbosity not in (0, 1, 2):
+        raise ValueError(f"verbosity must be 0, 1 or 2, got {verbosity!r}.")
+    if not enabled:
+        return
+    if not isinstance(opt_level, str) or opt_level not in OPT_LEVELS:
+        raise RuntimeError(
+            f"Unexpected optimization level {opt_level!r}. Options are 'O0', 'O1', 'O2', 'O3', "
+            "'O4', 'O5'. Note that in `O0`, `O1`, etc., the prefix O is the letter O, not the "
+            "number zero.")
+    _check_positive_int("num_losses", num_losses)
+    _check_positive_int("growth_interval", growth_interval)
+    _check_positive_int("hysteresis", hysteresis)
+    if isinstance(max_consecutive_skips, bool) or not isinstance(max_consecutive_skips, int) \
+            or max_consecutive_skips < 0:
+        raise ValueError("max_consecutive_skips must be a non-negative integer (0 disables the "
+                         f"check), got {max_consecutive_skips!r}.")
+    if cast_model_outputs is not None and (not isinstance(cast_model_outputs, torch.dtype)
+                                           or not cast_model_outputs.is_floating_point):
+        raise TypeError("cast_model_outputs must be a floating-point torch.dtype (e.g. "
+                        f"torch.float32) or None, got {cast_model_outputs!r}.")
+    _check_process_group(overflow_process_group)
+
+
+def _properties_for(opt_level, overrides):
+    """A new ``Properties`` for ``opt_level`` with the user's non-None overrides applied (validated)."""
+    properties = Properties()
+    properties.enabled = True
+    properties.opt_level = opt_level
+    for key, value in OPT_LEVELS[opt_level][1].items():
+        properties.options[key] = value
+    for key, value in overrides.items():
+        if value is not None:
+            setattr(properties, key, value)
+    return properties
 
 
 def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model_type=None,
@@ -152,58 +215,49 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
 
     Returns the same objects, mutated, in Apex's shapes: ``model`` or ``(model, optimizer)``,
     lists when lists were given.
+
+    The call is all-or-nothing: every argument, model and parameter is checked before anything
+    is changed, so a call that raises leaves models, optimizers and earlier amp runs as they
+    were, and may simply be retried. Each call keeps its own options and loss scalers: a later
+    ``initialize`` on other objects does not change how the optimizers returned here behave
+    (``amp._amp_state`` shows the latest call's).
     """
-    _amp_state.opt_properties = Properties()
-    if verbosity not in (0, 1, 2):
-        raise ValueError(f"verbosity must be 0, 1 or 2, got {verbosity!r}.")
-    _amp_state.verbosity = verbosity
-
+    _check_arguments(enabled, opt_level, verbosity, num_losses, cast_model_outputs, growth_interval,
+                     hysteresis, max_consecutive_skips, overflow_process_group)
     if not enabled:
-        return models if optimizers is None else (models, optimizers)
+        return _initialize_disabled(models, optimizers, verbosity)
 
-    if opt_level not in OPT_LEVELS:
-        raise RuntimeError(
-            f"Unexpected optimization level {opt_level!r}. Options are 'O0', 'O1', 'O2', 'O3', "
-            "'O4', 'O5'. Note that in `O0`, `O1`, etc., the prefix O is the letter O, not the "
-            "number zero.")
-    _check_positive_int("num_losses", num_losses)
-    _check_positive_int("growth_interval", growth_interval)
-    _check_positive_int("hysteresis", hysteresis)
-    if isinstance(max_consecutive_skips, bool) or not isinstance(max_consecutive_skips, int) \
-            or max_consecutive_skips < 0:
-        raise ValueError("max_consecutive_skips must be a non-negative integer (0 disables the "
-                         f"check), got {max_consecutive_skips!r}.")
-    if cast_model_outputs is not None and not isinstance(cast_model_outputs, torch.dtype):
-        raise TypeError(f"cast_model_outputs must be a torch.dtype or None, got {cast_model_outputs!r}.")
-
-    properties = _amp_state.opt_properties
-    brief, preset = OPT_LEVELS[opt_level]
-    properties.enabled = True
-    properties.opt_level = opt_level
-    for key, value in preset.items():
-        properties.options[key] = value
-    maybe_print(f"Selected optimization level {opt_level}:  {brief}", rank0=True)
-    maybe_print("Defaults for this optimization level are:", rank0=True)
-    _print_options(properties)
-
-    _amp_state.min_loss_scale = min_loss_scale
-    _amp_state.max_loss_scale = max_loss_scale
-
-    maybe_print("Processing user overrides (additional kwargs that are not None)...", rank0=True)
     overrides = dict(cast_model_type=cast_model_type, patch_torch_functions=patch_torch_functions,
                      keep_batchnorm_fp32=keep_batchnorm_fp32, master_weights=master_weights,
                      loss_scale=loss_scale)
-    for key, value in overrides.items():
-        if value is not None:
-            setattr(properties, key, value)
-    maybe_print("After processing overrides, optimization options are:", rank0=True)
-    _print_options(properties)
-
+    properties = _properties_for(opt_level, overrides)
     scaler_options = dict(min_loss_scale=min_loss_scale, max_loss_scale=max_loss_scale,
                           scale_factor=growth_factor, scale_window=growth_interval,
                           backoff_factor=backoff_factor, hysteresis=hysteresis)
-    return _initialize(models, optimizers, properties, num_losses, cast_model_outputs,
-                       scaler_options, max_consecutive_skips, overflow_process_group)
+    context = AmpContext(properties, verbosity=verbosity,
+                         overflow_process_group=overflow_process_group,
+                         min_loss_scale=min_loss_scale, max_loss_scale=max_loss_scale)
+    result = _initialize(models, optimizers, context, num_losses, cast_model_outputs,
+                         scaler_options, max_consecutive_skips)
+    brief, preset = OPT_LEVELS[opt_level]
+    maybe_print(f"Selected optimization level {opt_level}:  {brief}\n"
+                f"Defaults for this optimization level are:\n"
+                f"{_options_table(dict(enabled=True, opt_level=opt_level, **preset))}\n"
+                "After processing overrides, optimization options are:\n"
+                f"{_options_table(properties.options)}", rank0=True, verbosity=verbosity)
+    return result
+
+
+def _initialize_disabled(models, optimizers, verbosity):
+    """``enabled=False``: nothing is changed; ``scale_loss`` passes these optimizers' loss through."""
+    if isinstance(optimizers, torch.optim.Optimizer):
+        _amp_state.disabled_optimizers.add(optimizers)
+    elif isinstance(optimizers, (list, tuple)):
+        for optimizer in optimizers:
+            if isinstance(optimizer, torch.optim.Optimizer):
+                _amp_state.disabled_optimizers.add(optimizer)
+    _amp_state.publish(AmpContext(Properties(), verbosity=verbosity))
+    return models if optimizers is None else (models, optimizers)
 
 
 def state_dict(destination=None):

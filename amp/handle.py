@@ -8,24 +8,89 @@ from ._amp_state import _amp_state
 
 __all__ = ["scale_loss"]
 
+_NOT_INITIALIZED = ("Invoked 'with amp.scale_loss`, but internal Amp state has not been initialized. "
+                    "model, optimizer = amp.initialize(model, optimizer, opt_level=...) must be "
+                    "called before `with amp.scale_loss`.")
+
 
 def _optimizer_list(optimizers):
     if isinstance(optimizers, torch.optim.Optimizer):
-        optimizers = [optimizers]
-    elif isinstance(optimizers, (list, tuple)):
+        return [optimizers]
+    if isinstance(optimizers, (list, tuple)):
         optimizers = list(optimizers)
-    else:
-        raise TypeError("scale_loss expects an optimizer or a list/tuple of optimizers, got "
-                        f"{type(optimizers).__name__}.")
+        for optimizer in optimizers:
+            if not isinstance(optimizer, torch.optim.Optimizer):
+                raise TypeError("scale_loss expects optimizers, got a "
+                                f"{type(optimizer).__name__} in the list.")
+        if not optimizers:
+            raise ValueError("scale_loss got an empty list of optimizers: pass the optimizer(s) "
+                             "that own the parameters this backward reaches.")
+        if len({id(opt) for opt in optimizers}) != len(optimizers):
+            raise ValueError("The same optimizer appears more than once in this scale_loss call; "
+                             "its gradients would be unscaled twice. Pass each optimizer once.")
+        return optimizers
+    raise TypeError("scale_loss expects an optimizer or a list/tuple of optimizers, got "
+                    f"{type(optimizers).__name__}.")
+
+
+def _context_of(optimizers):
+    """The ``AmpContext`` of the ``initialize`` that returned these optimizers (None: pass through)."""
+    contexts = set()
     for optimizer in optimizers:
-        if not hasattr(optimizer, "_amp_stash"):
+        stash = getattr(optimizer, "_amp_stash", None)
+        if stash is not None:
+            contexts.add(stash.context)
+        elif optimizer in _amp_state.disabled_optimizers:
+            contexts.add(None)
+        elif _amp_state.context is None:
+            raise RuntimeError(_NOT_INITIALIZED)
+        elif _amp_state.context.enabled:
             raise RuntimeError("An optimizer passed to amp.scale_loss was not returned by "
                                "amp.initialize; pass every optimizer through amp.initialize first.")
-    return optimizers
+        else:
+            contexts.add(None)  # Apex: after initialize(enabled=False), scale_loss is a no-op
+    if len(contexts) > 1:
+        raise ValueError("The optimizers passed to this scale_loss come from different "
+                         "amp.initialize calls, which have their own options and loss scalers. "
+                         "Use one scale_loss block per amp.initialize call.")
+    return contexts.pop()
 
 
-def _clear_cast_cache():
-    if _amp_state.opt_properties.patch_torch_functions and _amp_state.handle is not None:
+def _latest_context_for_no_optimizers():
+    if _amp_state.context is None:
+        raise RuntimeError(_NOT_INITIALIZED)
+    return _amp_state.context
+
+
+def _check_no_shared_params(optimizers):
+    """A parameter stepped by two optimizers would be unscaled (and updated) twice."""
+    owner = {}
+    for index, optimizer in enumerate(optimizers):
+        for param in optimizer._amp_stash.model_params():
+            other = owner.setdefault(param, index)
+            if other != index:
+                name = optimizer._amp_stash.param_names.get(param, "a parameter")
+                raise ValueError(
+                    f"{name} belongs to optimizers {other} and {index} of this scale_loss call, so "
+                    "its gradient would be unscaled and stepped twice. Give each parameter to "
+                    "exactly one optimizer.")
+
+
+def _enter(stashes):
+    for stash in stashes:
+        if stash.in_scale_loss:
+            raise RuntimeError("amp.scale_loss was entered again for an optimizer whose scale_loss "
+                               "block has not exited yet. Nesting scale_loss blocks on the same "
+                               "optimizer would unscale its gradients twice: finish the first "
+                               "block, or pass several losses' sum to one block.")
+    for stash in stashes:
+        stash.in_scale_loss = True
+
+
+def _exit(stashes, context):
+    for stash in stashes:
+        stash.in_scale_loss = False
+    if context.properties.patch_torch_functions and _amp_state.handle is not None:
         _amp_state.handle._clear_cache()
 
 
@@ -42,72 +107,89 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False,
 
     Args:
         loss: the loss tensor.
-        optimizers: the optimizer(s) that own every parameter receiving gradients in this backward.
+        optimizers: the optimizer(s) that own every parameter receiving gradients in this backward;
+            all from the same ``amp.initialize`` call, each once, no parameter in two of them.
         loss_id (int): which loss scaler to use, in ``range(num_losses)``.
         model: unused (Apex compatibility).
         delay_unscale (bool): leave the gradients scaled (expert accumulation optimisation); the
-            next non-delayed ``scale_loss`` unscales everything once. Do not step in between.
+            next non-delayed ``scale_loss`` unscales everything once. ``step()`` in between raises.
         delay_overflow_check (bool): unscale, but neither check overflow nor update the scale.
 
-    If the body raises, the gradients are put back as they were before the block.
+    If the body raises, the gradients are put back as they were before the block. Misuse raises
+    before anything changes: a nested block on the same optimizer, an optimizer twice, a
+    parameter shared by two optimizers, optimizers of different ``initialize`` calls.
     """
-    properties = _amp_state.opt_properties
-    if properties is None:
-        raise RuntimeError("Invoked 'with amp.scale_loss`, but internal Amp state has not been "
-                           "initialized. model, optimizer = amp.initialize(model, optimizer, "
-                           "opt_level=...) must be called before `with amp.scale_loss`.")
-    if not properties.enabled:
+    if optimizers is None:
+        # Apex accepted None where the scale is a static 1.0 without masters (nothing to unscale).
+        optimizers, context = [], _latest_context_for_no_optimizers()
+    else:
+        optimizers = _optimizer_list(optimizers)
+        context = _context_of(optimizers)
+    if context is None or not context.enabled:
         yield loss
         return
-    scalers = _amp_state.loss_scalers
+    scalers = context.loss_scalers
     if isinstance(loss_id, bool) or not isinstance(loss_id, int) or not 0 <= loss_id < len(scalers):
         raise IndexError(f"loss_id={loss_id!r} is out of range: amp.initialize was called with "
                          f"num_losses={len(scalers)}, so loss_id must be in 0..{len(scalers) - 1}.")
     if not isinstance(loss, torch.Tensor):
         raise TypeError(f"scale_loss expects the loss tensor, got {type(loss).__name__}.")
     scaler = scalers[loss_id]
+    stashes = [optimizer._amp_stash for optimizer in optimizers]
 
-    if not properties.master_weights and not scaler.dynamic and scaler.loss_scale() == 1.0:
+    if not context.properties.master_weights and not scaler.dynamic and scaler.loss_scale() == 1.0:
         # Nothing to scale or unscale, and a static scale checks nothing: no work at all.
+        _enter(stashes)
         try:
             yield loss.float()
         finally:
-            _clear_cast_cache()
+            _exit(stashes, context)
         return
 
-    optimizers = _optimizer_list(optimizers)
-    prepared = []
-    if not delay_unscale:
-        for optimizer in optimizers:
-            if not optimizer._amp_stash.params_have_scaled_gradients:
-                optimizer._prepare_amp_backward()
-                prepared.append(optimizer)
-
+    if not optimizers:
+        raise TypeError("scale_loss needs the optimizer(s) whose gradients it unscales (got None): "
+                        "only a static loss scale of 1.0 without master weights works without them.")
+    if len(optimizers) > 1:
+        _check_no_shared_params(optimizers)
+    _enter(stashes)
     try:
-        yield loss.float() * scaler.scale_tensor(loss.device)
-    except BaseException:
-        for optimizer in prepared:
-            optimizer._restore_after_failed_backward()
-        raise
-    else:
-        if delay_unscale:
+        prepared = []
+        if not delay_unscale:
             for optimizer in optimizers:
-                optimizer._amp_stash.params_have_scaled_gradients = True
-            return
-        scaler.clear_overflow_state()
-        for optimizer in optimizers:
-            optimizer._post_amp_backward(scaler)
-            optimizer._amp_stash.params_have_scaled_gradients = False
-        if delay_overflow_check:
-            return
-        group = _amp_state.overflow_process_group
-        if scaler.dynamic and group is not None:
-            dist.all_reduce(scaler.found_inf(), op=dist.ReduceOp.MAX, group=group)
-        found_inf = scaler.update_scale_()
-        if scaler.dynamic:
-            for optimizer in optimizers:
-                flags = optimizer._amp_stash.found_inf_by_loss
-                previous = flags.get(loss_id)
-                flags[loss_id] = found_inf if previous is None else torch.maximum(previous, found_inf)
+                if not optimizer._amp_stash.params_have_scaled_gradients:
+                    optimizer._prepare_amp_backward()
+                    prepared.append(optimizer)
+        try:
+            yield loss.float() * scaler.scale_tensor(loss.device)
+        except BaseException:
+            for optimizer in prepared:
+                optimizer._restore_after_failed_backward()
+            raise
+        _unscale_and_check(optimizers, stashes, context, scaler, loss_id, delay_unscale,
+                           delay_overflow_check)
     finally:
-        _clear_cast_cache()
+        _exit(stashes, context)
+
+
+def _unscale_and_check(optimizers, stashes, context, scaler, loss_id, delay_unscale,
+                       delay_overflow_check):
+    if delay_unscale:
+        for stash in stashes:
+            stash.params_have_scaled_gradients = True
+        return
+    scaler.clear_overflow_state()
+    for optimizer, stash in zip(optimizers, stashes):
+        optimizer._post_amp_backward(scaler)
+        stash.params_have_scaled_gradients = False
+        stash.unscaled_since_step = True
+    if delay_overflow_check:
+        return
+    group = context.overflow_process_group
+    if scaler.dynamic and group is not None:
+        dist.all_reduce(scaler.found_inf(), op=dist.ReduceOp.MAX, group=group)
+    found_inf = scaler.update_scale_()
+    if scaler.dynamic:
+        for stash in stashes:
+            flags = stash.found_inf_by_loss
+            previous = flags.get(loss_id)
+            flags[loss_id] = found_inf if previous is None else torch.maximum(previous, found_inf)

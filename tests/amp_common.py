@@ -31,6 +31,7 @@ def fresh_amp():
         _amp_state.handle._deactivate()
     _amp_state.handle = None
     _amp_state.opt_properties = None
+    _amp_state.context = None
     _amp_state.loss_scalers = []
     _amp_state.verbosity = 1
     _amp_state.hard_override = False

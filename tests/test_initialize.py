@@ -1,5 +1,6 @@
 """amp.initialize: arguments, Properties validation, the opt-level table, casting and return shapes."""
 import collections
+import logging
 import warnings
 
 import pytest
@@ -277,10 +278,10 @@ def test_patching_levels_accept_cast_model_type_false_or_fp32(opt_level, value):
     assert model.fc1.weight.dtype == torch.float32
 
 
-def test_hard_override_prints_a_warning_instead_of_raising(capsys):
+def test_hard_override_warns_instead_of_raising():
     _amp_state.hard_override = True
-    amp.initialize(net(), opt_level="O1", master_weights=True, verbosity=0)
-    assert "Warning:  It doesn't make sense to use master_weights with O1" in capsys.readouterr().out
+    with pytest.warns(UserWarning, match="It doesn't make sense to use master_weights with O1"):
+        amp.initialize(net(), opt_level="O1", master_weights=True, verbosity=0)
     assert _amp_state.opt_properties.master_weights is True
 
 
@@ -339,15 +340,19 @@ def test_unknown_property_is_an_attribute_error_naming_the_class():
         Properties().no_such_option
 
 
-def test_verbosity_zero_prints_nothing_at_initialize(capsys):
-    initialized("O2", verbosity=0)
-    assert capsys.readouterr().out == ""
+def test_verbosity_zero_logs_nothing_at_initialize(caplog, capsys):
+    with caplog.at_level(logging.DEBUG, logger="amp"):
+        initialized("O2", verbosity=0)
+    assert caplog.records == [] and capsys.readouterr().out == ""
 
 
-def test_verbosity_one_prints_the_options_table(capsys):
-    initialized("O2", verbosity=1)
-    out = capsys.readouterr().out
-    assert "Selected optimization level O2" in out and "master_weights         : True" in out
+def test_verbosity_one_logs_the_options_table_to_the_amp_logger(caplog, capsys):
+    with caplog.at_level(logging.INFO, logger="amp"):
+        initialized("O2", verbosity=1)
+    assert {record.name for record in caplog.records} == {"amp"}
+    assert "Selected optimization level O2" in caplog.text
+    assert "master_weights         : True" in caplog.text
+    assert capsys.readouterr().out == ""  # nothing printed: logging is the user's to route
 
 
 def test_disabled_returns_the_inputs_and_scale_loss_passes_the_loss_through():

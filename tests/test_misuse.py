@@ -1,0 +1,97 @@
+"""scale_loss/step misuse that would unscale twice or step scaled gradients raises, changing nothing."""
+import warnings
+
+import pytest
+import torch
+
+import amp
+from amp_common import (assert_identical, batch, fresh_amp, initialized, loss_of, net,  # noqa: F401
+                        sgd, snapshot, train_step)
+
+
+def _grads(optimizer):
+    return [None if p.grad is None else p.grad.clone() for p in amp.master_params(optimizer)]
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_a_nested_scale_loss_on_the_same_optimizer_raises_and_the_outer_block_restores(opt_level):
+    model, optimizer = initialized(opt_level)
+    train_step(model, optimizer, 0)
+    loss_of(model(batch(1)))
+    with amp.scale_loss(loss_of(model(batch(1))), optimizer) as scaled_loss:
+        scaled_loss.backward()
+    before = _grads(optimizer)
+    with pytest.raises(RuntimeError, match="entered again"):
+        with amp.scale_loss(loss_of(model(batch(2))), optimizer) as outer:
+            outer.backward()
+            with amp.scale_loss(loss_of(model(batch(3))), optimizer):
+                pass
+    assert_identical(_grads(optimizer), before)
+    assert optimizer._amp_stash.in_scale_loss is False
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2", "O4"])
+def test_the_same_optimizer_twice_in_one_call_raises(opt_level):
+    model, optimizer = initialized(opt_level)
+    with pytest.raises(ValueError, match="more than once in this scale_loss"):
+        with amp.scale_loss(loss_of(model(batch(0))), [optimizer, optimizer]):
+            pass
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_step_after_delay_unscale_without_an_unscaling_backward_raises(opt_level):
+    model, optimizer = initialized(opt_level)
+    with amp.scale_loss(loss_of(model(batch(0))), optimizer, delay_unscale=True) as scaled_loss:
+        scaled_loss.backward()
+    before = snapshot(model, optimizer)
+    with pytest.raises(RuntimeError, match="still scaled"):
+        optimizer.step()
+    after = snapshot(model, optimizer)
+    assert_identical(after, before)
+
+    # Finishing the accumulation properly trains as the undelayed two-loss recipe does.
+    with amp.scale_loss(loss_of(model(batch(1))), optimizer) as scaled_loss:
+        scaled_loss.backward()
+    optimizer.step()
+    reference_model, reference_opt = initialized(opt_level)
+    for step in (0, 1):
+        with amp.scale_loss(loss_of(reference_model(batch(step))), reference_opt) as scaled_loss:
+            scaled_loss.backward()
+    reference_opt.step()
+    # O2 accumulates the two scaled fp16 grads in fp16 before unscaling: one extra rounding.
+    torch.testing.assert_close([p.detach() for p in amp.master_params(optimizer)],
+                               [p.detach() for p in amp.master_params(reference_opt)],
+                               rtol=1e-3, atol=1e-4)
+
+
+def test_step_inside_the_scale_loss_block_raises():
+    model, optimizer = initialized("O2")
+    with pytest.raises(RuntimeError, match="inside its amp.scale_loss block"):
+        with amp.scale_loss(loss_of(model(batch(0))), optimizer) as scaled_loss:
+            scaled_loss.backward()
+            optimizer.step()
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_a_param_shared_by_two_optimizers_in_one_call_raises(opt_level):
+    model = net()
+    everything = sgd(model.parameters())
+    head = sgd(model.fc2.parameters())
+    model, (everything, head) = amp.initialize(model, [everything, head], opt_level=opt_level,
+                                               verbosity=0)
+    loss = loss_of(model(batch(0)))
+    with pytest.raises(ValueError, match="fc2.weight belongs to optimizers 0 and 1"):
+        with amp.scale_loss(loss, [everything, head]):
+            pass
+    assert everything._amp_stash.in_scale_loss is False and head._amp_stash.in_scale_loss is False
+
+
+def test_o2_step_without_scale_loss_warns_once():
+    model, optimizer = initialized("O2")
+    loss_of(model(batch(0))).backward()
+    with pytest.warns(UserWarning, match="no amp.scale_loss backward since the last step"):
+        optimizer.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        optimizer.step()
+        train_step(model, optimizer, 1)

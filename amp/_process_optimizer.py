@@ -12,6 +12,7 @@ import types
 import warnings
 
 import torch
+from torch.optim.optimizer import required
 
 from fp16_utils.fp16util import swap_in_fp32_masters
 
@@ -269,24 +270,62 @@ def _zero_grad_with_master_weights(self, set_to_none=True):
         master.grad = None
 
 
-def _add_param_group(self, new_group):
-    stash = self._amp_stash
-    self._amp_lazy_init()
+def _validated_param_group(optimizer, new_group):
+    """A copy of ``new_group`` with its params as a list, checked as torch checks it and against
+    the model params amp already tracks. Raises before anything changes."""
     if not isinstance(new_group, dict):
         raise TypeError(f"param group must be a dict, got {type(new_group).__name__}.")
-    params = new_group["params"]
+    if "params" not in new_group:
+        raise ValueError("param group must have a 'params' entry.")
+    group = dict(new_group)
+    params = group["params"]
     if isinstance(params, torch.Tensor):
-        new_group["params"] = [params]
+        params = [params]
     elif isinstance(params, set):
         raise TypeError("optimizer parameters need to be organized in ordered collections, but the "
                         "ordering of tensors in sets will change between runs. Please use a list instead.")
-    else:
-        new_group["params"] = list(params)
-    if stash.master_weights:
-        _add_master_group(self, new_group, fp32_values={})
-    else:
-        _add_plain_params(stash, new_group["params"])
-    stash.original_add_param_group(new_group)
+    params = group["params"] = list(params)
+    for param in params:
+        if not isinstance(param, torch.Tensor):
+            raise TypeError(f"optimizer can only optimize Tensors, but one of the params is "
+                            f"{type(param).__name__}.")
+        if not param.is_leaf:
+            raise ValueError("can't optimize a non-leaf Tensor.")
+        if param.is_complex() or param.dtype == torch.float64 or not param.is_floating_point():
+            raise TypeError(f"add_param_group: amp trains float32, float16 and bfloat16 parameters; "
+                            f"got one of dtype {param.dtype}.")
+    if len({id(p) for p in params}) != len(params):
+        raise ValueError("the new param group contains the same parameter more than once; amp would "
+                         "unscale and step it twice. Pass each parameter once.")
+    stash = optimizer._amp_stash
+    existing = {id(p) for p in stash.model_params()}
+    existing.update(id(p) for g in optimizer.param_groups for p in g["params"])
+    if any(id(p) in existing for p in params):
+        raise ValueError("some parameters appear in more than one parameter group (the new group "
+                         "holds a parameter this optimizer already has).")
+    for name, default in optimizer.defaults.items():
+        if default is required and name not in group:
+            raise ValueError(f"parameter group didn't specify a value of required optimization "
+                             f"parameter {name}")
+    return group
+
+
+def _add_param_group(self, new_group):
+    """Validate, then add: a rejected group leaves the optimizer and amp's bookkeeping unchanged."""
+    stash = self._amp_stash
+    self._amp_lazy_init()
+    group = _validated_param_group(self, new_group)
+    lengths = {name: len(value) for name, value in vars(stash).items() if isinstance(value, list)}
+    try:
+        if stash.master_weights:
+            _add_master_group(self, group, fp32_values={})
+        else:
+            _add_plain_params(stash, group["params"])
+        stash.original_add_param_group(group)
+    except BaseException:
+        for name, length in lengths.items():
+            del getattr(stash, name)[length:]
+        raise
 
 
 def _combine_flags(flags):

@@ -168,3 +168,50 @@ def test_step_counts_are_readable_through_last_step_applied_and_skipped_steps():
         applied.append(bool(amp.last_step_applied(optimizer)))
     assert applied == [True, False, False, True]
     assert int(amp.skipped_steps(optimizer)) == 2
+
+
+def _bookkeeping(optimizer):
+    stash = optimizer._amp_stash
+    return ({name: list(value) for name, value in vars(stash).items() if isinstance(value, list)},
+            [list(group["params"]) for group in optimizer.param_groups])
+
+
+def _bad_groups(model):
+    counter = torch.zeros(2, dtype=torch.int64)
+    return {
+        "duplicate of a tracked param": lambda: {"params": [model.fc1.weight]},
+        "same param twice": lambda: {"params": [model.fc2.weight, model.fc2.weight]},
+        "int param": lambda: {"params": [model.fc2.weight, counter]},
+        "float64 param": lambda: {"params": [model.fc2.bias, torch.zeros(2, dtype=torch.float64)]},
+        "non-leaf": lambda: {"params": [model.fc2.weight * 2]},
+        "not a tensor": lambda: {"params": [model.fc2.weight, "bias"]},
+        "no params": lambda: {"lr": 0.1},
+    }
+
+
+@pytest.mark.parametrize("case", list(_bad_groups(None)))
+@pytest.mark.parametrize("opt_level", ["O1", "O2", "O5"])
+def test_a_rejected_add_param_group_changes_nothing_and_training_goes_on(opt_level, case):
+    def build():
+        model = net()
+        optimizer = sgd(model.fc1.parameters())
+        return amp.initialize(model, optimizer, opt_level=opt_level, verbosity=0)
+
+    reference_model, reference_opt = build()
+    reference_opt.add_param_group({"params": list(reference_model.fc2.parameters())})
+    model, optimizer = build()
+    before = _bookkeeping(optimizer)
+    with pytest.raises((TypeError, ValueError)):
+        optimizer.add_param_group(_bad_groups(model)[case]())
+    after = _bookkeeping(optimizer)
+    assert after[1] == before[1]
+    assert {k: [id(p) for p in v] for k, v in after[0].items()} == \
+        {k: [id(p) for p in v] for k, v in before[0].items()}
+
+    optimizer.add_param_group({"params": list(model.fc2.parameters())})
+    for step in range(3):
+        inject = step == 1 and opt_level != "O5"  # O5's static scale checks nothing
+        train_step(reference_model, reference_opt, step, inject=inject)
+        train_step(model, optimizer, step, inject=inject)
+    assert_identical([p.detach() for p in amp.master_params(optimizer)],
+                     [p.detach() for p in amp.master_params(reference_opt)])

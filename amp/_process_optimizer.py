@@ -191,6 +191,21 @@ def _prepare_backward_no_master_weights(self):
     _stash_and_clear_grads(stash.all_fp32_params, stash.all_fp32_grad_stash)
 
 
+def _unscaled_sparse(scaler, grad, dtype, previous):
+    """``grad`` (sparse COO, scaled) unscaled into ``dtype``, plus ``previous`` (already unscaled).
+
+    Its values join the scaler's overflow check like dense grads do (coalesced first, so each
+    row is counted once, as torch's GradScaler does).
+    """
+    grad = grad.coalesce()
+    values = grad._values()
+    out = values if values.dtype == dtype else torch.empty_like(values, dtype=dtype)
+    scaler.unscale([values], [out], None, models_are_masters=out is values)
+    unscaled = torch.sparse_coo_tensor(grad._indices(), out, grad.shape, is_coalesced=True,
+                                       check_invariants=False)
+    return unscaled if previous is None else previous + unscaled
+
+
 def _unscale_models_are_masters(scaler, params, stash_list):
     """Unscale new grads in place; add back what was stashed before this backward (never lost)."""
     fresh, with_stash, stashed = [], [], []
@@ -199,6 +214,8 @@ def _unscale_models_are_masters(scaler, params, stash_list):
         stash_list[index] = None
         if param.grad is None:
             param.grad = previous
+        elif param.grad.is_sparse:
+            param.grad = _unscaled_sparse(scaler, param.grad, param.dtype, previous)
         elif previous is None:
             fresh.append(param.grad)
         else:
@@ -217,7 +234,9 @@ def _post_backward_with_master_weights(self, scaler):
     for param, master in zip(stash.all_fp16_params, stash.all_fp32_from_fp16_params):
         if param.grad is None:
             continue
-        if master.grad is None:
+        if param.grad.is_sparse:
+            master.grad = _unscaled_sparse(scaler, param.grad, master.dtype, master.grad)
+        elif master.grad is None:
             master.grad = torch.empty_like(master)
             fresh_model.append(param.grad)
             fresh_master.append(master.grad)

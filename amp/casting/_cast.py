@@ -7,6 +7,8 @@ import torch
 from torch import Tensor
 from torch.nn import Parameter
 
+from .._amp_state import logger
+
 FLOATING = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64))
 LOW_PRECISION = frozenset((torch.float16, torch.bfloat16))
 TYPE_NAMES = {torch.float16: "Half", torch.bfloat16: "BFloat16", torch.float32: "Float",
@@ -115,11 +117,13 @@ def make_caster(name, verbose=False, cache=None):
 
     With a ``cache`` dict (the handle's), fp32 Parameters cast to fp16/bf16 are cast once and the
     copy is shared by every use (one autograd node) until the cache is cleared. With
-    ``verbose``, each inserted cast prints Apex's "Float->Half (name)" line.
+    ``verbose``, each inserted cast logs Apex's "Float->Half (name)" line to the ``amp`` logger
+    at INFO.
     """
     if verbose:
         def plain(t, dtype):
-            print(f"{TYPE_NAMES.get(t.dtype, t.dtype)}->{TYPE_NAMES.get(dtype, dtype)} ({name})")
+            logger.info("%s->%s (%s)", TYPE_NAMES.get(t.dtype, t.dtype), TYPE_NAMES.get(dtype, dtype),
+                        name)
             return t.to(dtype)
     else:
         def plain(t, dtype):

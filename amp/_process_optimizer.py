@@ -18,6 +18,7 @@ from fp16_utils.fp16util import swap_in_fp32_masters
 
 from . import casting
 from ._overflow_report import OverflowReporter, non_finite_grad_names
+from ._skip_counts import SkipCounts
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 # Methods _process_optimizer attaches; an optimizer that already has one is refused.
@@ -41,50 +42,17 @@ class AmpOptimizerState:
         self.param_names = param_names
         # loss_id -> overflow flag (device tensor) of the backward passes since the last step.
         self.found_inf_by_loss = {}
-        # Readable without a sync: did the last step() apply, and how many steps were skipped.
-        self.step_applied = torch.ones((), dtype=torch.bool, device=device)
-        self.skipped_steps = torch.zeros((), dtype=torch.int64, device=device)
-        self.consecutive_skips = torch.zeros((), dtype=torch.int64, device=device)
+        self.skips = SkipCounts(device)
         self.reporter = OverflowReporter(max_consecutive_skips)
-        # Host-side counts, kept by the path that reads the flag anyway.
+        # Exact host counts, kept by the path that reads the flag anyway.
         self.host_total_skips = 0
         self.host_consecutive_skips = 0
-        self.host_counters = _HostCounters(device)
 
     def model_params(self):
         """The model's own parameters this optimizer trains (not the masters)."""
         if self.master_weights:
             return self.all_fp16_params + self.all_fp32_from_fp32_params
         return self.all_fp16_params + self.all_fp32_params
-
-
-class _HostCounters:
-    """A host copy of (skipped_steps, consecutive_skips), refreshed asynchronously one step late.
-
-    The sync-free path must not wait for the device, yet it still has to notice a run that skips
-    forever. Each step enqueues a non-blocking copy of the device counters into pinned memory;
-    the next step reads it only if the copy has finished (``Event.query`` never blocks).
-    """
-
-    def __init__(self, device):
-        on_cuda = device.type == "cuda"
-        self.buffer = torch.zeros(2, dtype=torch.int64, pin_memory=on_cuda)
-        self.event = torch.cuda.Event() if on_cuda else None
-        self.pending = False
-
-    def enqueue(self, skipped_steps, consecutive_skips):
-        self.buffer.copy_(torch.stack([skipped_steps, consecutive_skips]), non_blocking=True)
-        if self.event is not None:
-            self.event.record()
-        self.pending = True
-
-    def ready_values(self):
-        """``(skipped, consecutive)`` from the last finished copy, or None if none is ready."""
-        if not self.pending or (self.event is not None and not self.event.query()):
-            return None
-        self.pending = False
-        skipped, consecutive = self.buffer.numpy().tolist()
-        return skipped, consecutive
 
 
 def _param_device(optimizer):
@@ -170,6 +138,13 @@ def _master_params_to_model_params(self):
 
 
 def _stash_and_clear_grads(params, stash_list):
+    """Set aside the grads that exist before a backward; they are added back once it is unscaled.
+
+    The slots are all None between backward passes, so with no grads (``zero_grad`` sets them to
+    None) there is nothing to do, and nothing is written.
+    """
+    if all(param.grad is None for param in params):
+        return
     for index, param in enumerate(params):
         stash_list[index] = param.grad
         param.grad = None
@@ -180,7 +155,8 @@ def _prepare_backward_with_master_weights(self):
     self._amp_lazy_init()
     # The masters hold what was accumulated so far; the model's fp16 grads start afresh.
     for param in stash.all_fp16_params:
-        param.grad = None
+        if param.grad is not None:
+            param.grad = None
     _stash_and_clear_grads(stash.all_fp32_from_fp32_params, stash.all_fp32_from_fp32_grad_stash)
 
 
@@ -208,6 +184,13 @@ def _unscaled_sparse(scaler, grad, dtype, previous):
 
 def _unscale_models_are_masters(scaler, params, stash_list):
     """Unscale new grads in place; add back what was stashed before this backward (never lost)."""
+    if all(slot is None for slot in stash_list):
+        # The common case, a backward after zero_grad: one list, no per-parameter branching.
+        fresh = [grad for grad in (param.grad for param in params) if grad is not None]
+        if not any(grad.is_sparse for grad in fresh):
+            if fresh:
+                scaler.unscale(fresh, fresh, None, models_are_masters=True)
+            return
     fresh, with_stash, stashed = [], [], []
     for index, param in enumerate(params):
         previous = stash_list[index]
@@ -395,16 +378,11 @@ def _step_with_found_inf(self, found_inf, closure, args, kwargs):
         result = stash.original_step(closure, *args, **kwargs)
     finally:
         del self.grad_scale, self.found_inf
-    skipped = found_inf > 0
-    stash.step_applied.copy_(~skipped)
-    stash.skipped_steps.add_(skipped)
-    stash.consecutive_skips.add_(1).mul_(skipped)
-    ready = stash.host_counters.ready_values()
-    if ready is not None:
-        total, consecutive = ready
-        stash.reporter.report(total, consecutive, lambda: "Gradient overflow.  Skipped step(s), "
-                              "the loss scale was reduced.", _culprit_finder(self))
-    stash.host_counters.enqueue(stash.skipped_steps, stash.consecutive_skips)
+    stash.skips.record(found_inf)
+    counts = stash.skips.host_values()
+    if counts is not None:
+        stash.reporter.report(*counts, lambda: "Gradient overflow.  Skipped step(s), the loss scale "
+                              "was reduced.", _culprit_finder(self))
     return result
 
 
@@ -415,13 +393,10 @@ def _step_reading_flag(self, flags_by_loss, closure, args, kwargs):
     values = torch.cat([flags_by_loss[i] for i in loss_ids]).tolist()
     overflowed = [loss_id for loss_id, value in zip(loss_ids, values) if value > 0]
     applied = not overflowed
-    stash.step_applied.fill_(applied)
+    stash.skips.record_known(not applied)
     if applied:
-        stash.consecutive_skips.zero_()
         result = stash.original_step(closure, *args, **kwargs)
     else:
-        stash.skipped_steps.add_(1)
-        stash.consecutive_skips.add_(1)
         # A scheduler that wrapped step() before amp did would otherwise warn that step() was never called.
         if hasattr(stash.original_step, "_wrapped_by_lr_sched"):
             self._opt_called = True
@@ -464,7 +439,7 @@ def _amp_step(self, closure=None, *args, **kwargs):
     casts_off = casting.disable_casts() if stash.patch_torch_functions else contextlib.nullcontext()
     with casts_off:
         if not flags_by_loss:
-            stash.step_applied.fill_(True)
+            stash.skips.record_applied()
             result, copy_masters = stash.original_step(closure, *args, **kwargs), True
         elif getattr(self, "_step_supports_amp_scaling", False):
             found_inf = _combine_flags(list(flags_by_loss.values()))

@@ -316,9 +316,9 @@ def last_step_applied(optimizer):
     Reading it on the host syncs; use it on the device to keep a step sync-free, e.g. an EMA
     that follows skips: ``torch._foreach_lerp_(ema, params, decay * amp.last_step_applied(opt))``.
     """
-    return _stash(optimizer).step_applied
+    return _stash(optimizer).skips.step_applied()
 
 
 def skipped_steps(optimizer):
     """A 0-dim int64 tensor on the parameters' device: how many ``step()`` calls were skipped."""
-    return _stash(optimizer).skipped_steps
+    return _stash(optimizer).skips.skipped_steps()

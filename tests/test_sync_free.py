@@ -172,8 +172,9 @@ def test_consecutive_skip_limit_also_trips_on_the_sync_free_path():
     with pytest.raises(amp.NonFiniteGradientsError, match=r"0\.weight"):
         for _ in range(10):
             train_step(model, optimizer, x, y, inject_inf=True)
-    # The host copy of the counters is one step behind: the error comes at the 5th skip.
-    assert amp.skipped_steps(optimizer).item() == 5
+    # On CPU the host reads the device counts themselves, so the error comes at the first skip
+    # past the limit (on CUDA the host copy lags a step: it would come at the 5th).
+    assert amp.skipped_steps(optimizer).item() == 4
 
 
 @pytest.mark.parametrize("opt_level", ["O1", "O2", "O5"])

@@ -98,7 +98,8 @@ CONFIGS = {
 def build(config, model_fn, device, fused):
     kind, dtype = CONFIGS[config]
     torch.manual_seed(0)
-    model = model_fn().to(device)
+    with device:  # initialised where it trains: a large model's CPU init would dominate the run
+        model = model_fn()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused)
     if kind.startswith("O"):
         model, optimizer = amp.initialize(model, optimizer, opt_level=kind, verbosity=0)

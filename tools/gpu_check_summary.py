@@ -44,7 +44,9 @@ def read(out_dir, name):
 
 def phase_problem(log, name):
     """None when phase ``name`` ran to exit code 0, else why it did not (for the result column)."""
+    output_start = 0  # a phase's output runs from the previous phase's record to its own
     for match in PHASE.finditer(log):
+        output, output_start = log[output_start:match.start()], match.end()
         if match.group(1) != name:
             continue
         if match.group(4) is not None:
@@ -54,12 +56,12 @@ def phase_problem(log, name):
             return None
         if code in TIMED_OUT:
             return f"timed out after {seconds} s"
-        return f"exit {code} after {seconds} s: {last_output_line(log)}"
+        return f"exit {code} after {seconds} s: {last_output_line(output)}"
     return f"no record of phase {name} (the script stopped early?)"
 
 
-def last_output_line(log):
-    lines = [line for line in log.splitlines() if line.strip() and not line.startswith("gpu_check:")]
+def last_output_line(output):
+    lines = [line for line in output.splitlines() if line.strip() and not line.startswith("gpu_check:")]
     return lines[-1].strip()[:200] if lines else "no output"
 
 

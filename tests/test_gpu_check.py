@@ -3,28 +3,36 @@
 The GPU phases themselves run only on a GPU machine; here the script is run where PyTorch sees
 no GPU, and the summary is built from small logs written in the formats the phases produce.
 """
+import argparse
 import importlib.util
 import json
+import math
 import os
 import stat
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
+import torch
+
+from amp import _torch_ops
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tools" / "gpu_check.sh"
 
 
-def load_summary_module():
-    spec = importlib.util.spec_from_file_location("gpu_check_summary", REPO / "tools" / "gpu_check_summary.py")
+def load(relative_path):
+    """A script of the repository (tools/ and benchmarks/ are not packages) as a module."""
+    path = REPO / relative_path
+    spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-summary = load_summary_module()
+summary = load("tools/gpu_check_summary.py")
 
 BUILD_OK = """gpu_check: device NVIDIA H100 80GB HBM3 (capability 9.0); torch 2.11.0+cu130 (CUDA 13.0); Python 3.12.3
 nvcc -gencode=arch=compute_90,code=sm_90 -c csrc/multi_tensor_scale.cu
@@ -195,3 +203,28 @@ def test_left_out_test_files_are_listed_with_the_missing_package(tmp_path):
     _, notes, markdown = summary.summarize(tmp_path)
     assert notes == ["tests/test_examples.py (sklearn is not installed)"]
     assert "- tests/test_examples.py (sklearn is not installed)" in markdown
+
+
+def test_the_summary_reads_the_ratios_unscale_benchmark_prints(tmp_path, monkeypatch, capsys):
+    # amp_C's pure-PyTorch twins stand in for the extension: only the printed format matters here.
+    fake_amp_C = types.SimpleNamespace(cuda_available=lambda: False, **{
+        name: getattr(_torch_ops, name) for name in ("multi_tensor_scale", "multi_tensor_l2norm")})
+    monkeypatch.setitem(sys.modules, "amp_C", fake_amp_C)
+    unscale = load("benchmarks/unscale.py")
+    monkeypatch.setattr(unscale, "gpt_ish_shapes", lambda: [(64, 32), (32,)])
+    monkeypatch.setattr(sys, "argv", ["unscale.py", "--reps", "1"])
+    unscale.main()
+    write_logs(tmp_path, unscale_log=capsys.readouterr().out + "gpu_check: phase unscale exit 0 after 1 s\n")
+    for check in ("unscale: amp_C vs copy_", "unscale: amp_C vs a plain"):
+        assert row(tmp_path, check).status in (summary.MET, summary.NOT_MET)
+
+
+def test_the_summary_reads_the_json_train_step_writes(tmp_path):
+    train_step = load("benchmarks/train_step.py")
+    table = {name: {"step": 0.01, "overhead": 0.001, "peak": math.nan} for name in train_step.CONFIGS}
+    table["amp O2 (fp16)"]["step"] = 0.008
+    train_step.write_json(tmp_path / "train_step.json", torch.device("cpu"),
+                          argparse.Namespace(size="small"), {"cnn": table})
+    write_logs(tmp_path, train_step_json=None)
+    assert row(tmp_path, "train_step cnn: O2 step").result == "0.80x (8.00 ms vs 10.00 ms)"
+    assert row(tmp_path, "train_step cnn: O2 peak").status == summary.NOT_RUN

@@ -23,7 +23,8 @@ cd "$ROOT" || exit 2
 PYTHON=${PYTHON:-python3}
 BUDGET_S=${GPU_CHECK_BUDGET_S:-540}
 START=$SECONDS
-export PYTHONUNBUFFERED=1
+# The benchmarks import amp and the freshly built amp_C from the root, as pytest does.
+export PYTHONUNBUFFERED=1 PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 rm -f "$OUT"/{build,cuda_tests,cpu_suite,unscale,train_step}.log "$OUT"/train_step.json "$OUT"/summary.md
 
 # A phase that runs out of time gets SIGINT, so that pytest still prints its summary line. A

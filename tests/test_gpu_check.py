@@ -178,6 +178,14 @@ def test_unscale_ratios_are_checked_against_the_issue_goals(tmp_path, speedup, f
             row(tmp_path, "unscale: amp_C vs a plain").status) == expected
 
 
+def test_unscale_ratios_printed_before_a_crash_still_count(tmp_path):
+    log = UNSCALE_OK.replace("gpu_check: phase unscale exit 0", "RuntimeError: l2norm failed\n"
+                             "gpu_check: phase unscale exit 1")
+    write_logs(tmp_path, unscale_log=log)
+    unscale = row(tmp_path, "unscale: amp_C vs copy_")
+    assert unscale.status == summary.MET and "l2norm failed" in unscale.result
+
+
 def test_unscale_output_without_the_ratio_line_is_not_run(tmp_path):
     write_logs(tmp_path, unscale_log="something else\ngpu_check: phase unscale exit 0 after 3 s\n")
     unscale = row(tmp_path, "unscale: amp_C vs copy_")

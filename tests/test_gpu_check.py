@@ -81,6 +81,11 @@ def write_logs(out, **logs):
             (out / name).write_text(text)
 
 
+def failed(log, phase, last_line):
+    """``log`` with ``phase`` printing ``last_line`` and exiting with 1."""
+    return log.replace(f"gpu_check: phase {phase} exit 0", f"{last_line}\ngpu_check: phase {phase} exit 1")
+
+
 def statuses(out):
     rows, _, _ = summary.summarize(out)
     return {row.check: row.status for row in rows}
@@ -159,9 +164,7 @@ def test_a_timed_out_test_phase_is_not_met_with_its_partial_counts(tmp_path):
 
 
 def test_a_failed_build_names_its_last_output_line(tmp_path):
-    log = BUILD_OK.replace("gpu_check: phase build exit 0", "RuntimeError: nvcc failed on x.cu\n"
-                           "gpu_check: phase build exit 1")
-    write_logs(tmp_path, build_log=log)
+    write_logs(tmp_path, build_log=failed(BUILD_OK, "build", "RuntimeError: nvcc failed on x.cu"))
     build = row(tmp_path, "amp_C built")
     assert build.status == summary.NOT_MET and "nvcc failed on x.cu" in build.result
 
@@ -179,9 +182,7 @@ def test_unscale_ratios_are_checked_against_the_issue_goals(tmp_path, speedup, f
 
 
 def test_unscale_ratios_printed_before_a_crash_still_count(tmp_path):
-    log = UNSCALE_OK.replace("gpu_check: phase unscale exit 0", "RuntimeError: l2norm failed\n"
-                             "gpu_check: phase unscale exit 1")
-    write_logs(tmp_path, unscale_log=log)
+    write_logs(tmp_path, unscale_log=failed(UNSCALE_OK, "unscale", "RuntimeError: l2norm failed"))
     unscale = row(tmp_path, "unscale: amp_C vs copy_")
     assert unscale.status == summary.MET and "l2norm failed" in unscale.result
 

@@ -34,7 +34,8 @@ def load(relative_path):
 
 summary = load("tools/gpu_check_summary.py")
 
-BUILD_OK = """gpu_check: device NVIDIA H100 80GB HBM3 (capability 9.0); torch 2.11.0+cu130 (CUDA 13.0); Python 3.12.3
+DEVICE = "NVIDIA H100 80GB HBM3 (capability 9.0); torch 2.11.0+cu130 (CUDA 13.0); Python 3.12.3"
+BUILD_OK = f"""gpu_check: device {DEVICE}
 nvcc -gencode=arch=compute_90,code=sm_90 -c csrc/multi_tensor_scale.cu
 gpu_check: phase build exit 0 after 95 s
 amp_C /repo/amp_C.cpython-312-x86_64-linux-gnu.so cuda_available() True
@@ -126,7 +127,7 @@ def test_all_goals_met_gives_every_row_met_and_exit_0(tmp_path, capsys):
     assert summary.main(["gpu_check_summary.py", str(tmp_path)]) == 0
     written = (tmp_path / "summary.md").read_text()
     assert written == capsys.readouterr().out
-    assert "NVIDIA H100 80GB HBM3" in written and "| 1.80x faster | >= 1.5 | met |" in written
+    assert f"Device: {DEVICE}" in written and "| 1.80x faster | >= 1.5 | met |" in written
 
 
 def test_missing_logs_are_not_run_and_the_exit_is_1(tmp_path):

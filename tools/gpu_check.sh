@@ -16,7 +16,10 @@ if [ $# -ne 1 ]; then
     echo "usage: bash tools/gpu_check.sh OUT_DIR   (logs and summary.md are written there)" >&2
     exit 2
 fi
-mkdir -p "$1" && OUT=$(cd "$1" && pwd) || { echo "gpu_check: cannot create the output folder $1" >&2; exit 2; }
+if ! mkdir -p "$1" || ! OUT=$(cd "$1" && pwd); then
+    echo "gpu_check: cannot create the output folder $1" >&2
+    exit 2
+fi
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT" || exit 2
 
@@ -95,7 +98,9 @@ timeout 30 nvidia-smi >>"$OUT/build.log" 2>&1
 # Build amp_C in place (the repository root is on pytest's path) for the visible GPUs only.
 # A stale amp_C from an earlier build would hide a failed one, so it goes first.
 rm -f "$ROOT"/amp_C*.so
-ARCHS=$("$PYTHON" -c "import torch; print(';'.join(sorted({'%d.%d' % torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())})))")
+ARCHS=$("$PYTHON" -c 'import torch
+caps = {torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())}
+print(";".join("%d.%d" % cap for cap in sorted(caps)))')
 JOBS=$(nproc)
 phase build "$OUT/build.log" 300 env AMP_CPP_EXT=1 AMP_CUDA_EXT=1 TORCH_CUDA_ARCH_LIST="$ARCHS" \
     MAX_JOBS="$JOBS" "$PYTHON" setup.py build_ext --inplace

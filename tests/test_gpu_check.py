@@ -238,3 +238,9 @@ def test_the_summary_reads_the_json_train_step_writes(tmp_path):
     write_logs(tmp_path, train_step_json=None)
     assert row(tmp_path, "train_step cnn: O2 step").result == "0.80x (8.00 ms vs 10.00 ms)"
     assert row(tmp_path, "train_step cnn: O2 peak").status == summary.NOT_RUN
+
+
+def test_a_train_step_json_without_the_compared_configs_is_not_run(tmp_path):
+    write_logs(tmp_path, train_step_json=json.dumps({"workloads": {"gpt": {"fp32": {}}}}))
+    train = row(tmp_path, "train_step")
+    assert train.status == summary.NOT_RUN and "not what this summary reads" in train.result

@@ -42,31 +42,27 @@ def read(out_dir, name):
     return path.read_text(errors="replace") if path.exists() else ""
 
 
-def phase_problem(log, name):
-    """None when phase ``name`` ran to exit code 0, else why it did not (for the result column)."""
+def phase_outcome(log, name):
+    """(MET, None) when phase ``name`` exited with 0; else (NOT_MET or NOT_RUN, why)."""
     output_start = 0  # a phase's output runs from the previous phase's record to its own
     for match in PHASE.finditer(log):
         output, output_start = log[output_start:match.start()], match.end()
         if match.group(1) != name:
             continue
         if match.group(4) is not None:
-            return f"not run: {match.group(4)}"
+            return NOT_RUN, f"not run: {match.group(4)}"
         code, seconds = int(match.group(2)), match.group(3)
         if code == 0:
-            return None
+            return MET, None
         if code in TIMED_OUT:
-            return f"timed out after {seconds} s"
-        return f"exit {code} after {seconds} s: {last_output_line(output)}"
-    return f"no record of phase {name} (the script stopped early?)"
+            return NOT_MET, f"timed out after {seconds} s"
+        return NOT_MET, f"exit {code} after {seconds} s: {last_output_line(output)}"
+    return NOT_RUN, f"no record of phase {name} (the script stopped early?)"
 
 
 def last_output_line(output):
     lines = [line for line in output.splitlines() if line.strip() and not line.startswith("gpu_check:")]
     return lines[-1].strip()[:200] if lines else "no output"
-
-
-def ran(problem):
-    return problem is None or not problem.startswith(("not run", "no record"))
 
 
 def pytest_counts(log):
@@ -80,32 +76,33 @@ def pytest_counts(log):
 
 
 def tests_row(check, log, phase):
-    problem = phase_problem(log, phase)
-    counts = pytest_counts(log) if ran(problem) else None
+    status, problem = phase_outcome(log, phase)
+    counts = pytest_counts(log) if status != NOT_RUN else None
     goal = "all pass"
     if counts is None:
         return Row(check, problem or "pytest printed no summary line", goal, NOT_RUN)
     result = ", ".join(f"{n} {word}" for word, n in counts.items())
     broken = counts["failed"] + counts["error"]
-    if problem is None and broken == 0 and counts["passed"] > 0:
+    if status == MET and broken == 0 and counts["passed"] > 0:
         return Row(check, result, goal, MET)
     return Row(check, result + (f" ({problem})" if problem else ""), goal, NOT_MET)
 
 
 def build_row(log):
-    goal = "builds; amp_C.cuda_available()"
-    problem = phase_problem(log, "build") or phase_problem(log, "amp_C")
-    if problem is None:
-        return Row("amp_C built for this GPU", "built, CUDA kernels available", goal, MET)
-    return Row("amp_C built for this GPU", problem, goal, NOT_MET if ran(problem) else NOT_RUN)
+    check, goal = "amp_C built for this GPU", "builds; amp_C.cuda_available()"
+    for phase in ("build", "amp_C"):
+        status, problem = phase_outcome(log, phase)
+        if status != MET:
+            return Row(check, problem, goal, status)
+    return Row(check, "built, CUDA kernels available", goal, MET)
 
 
 def sync_free_row(log):
     check = f"no host sync under set_sync_debug_mode('error') ({SYNC_FREE_TEST})"
     outcomes = re.findall(rf"^(PASSED|FAILED|ERROR) {re.escape(SYNC_FREE_TEST)}\b", log, re.M)
     if not outcomes:
-        reason = phase_problem(log, "cuda_tests") or "the test did not run (skipped or not collected)"
-        return Row(check, reason, "passes", NOT_RUN)
+        problem = phase_outcome(log, "cuda_tests")[1]
+        return Row(check, problem or "the test did not run (skipped or not collected)", "passes", NOT_RUN)
     passed = outcomes.count("PASSED")
     status = MET if passed == len(outcomes) else NOT_MET
     return Row(check, f"{passed} of {len(outcomes)} cases passed", "passes", status)
@@ -117,7 +114,7 @@ def unscale_rows(log):
               ("unscale: amp_C vs a plain fp16 -> fp32 copy", COPY_FRACTION,
                UNSCALE_VS_COPY_GOAL, " of its speed"))
     # The ratios are printed first: a later failure of the script leaves them valid.
-    problem = phase_problem(log, "unscale")
+    problem = phase_outcome(log, "unscale")[1]
     rows = []
     for check, pattern, goal, unit in checks:
         match = pattern.search(log)
@@ -132,24 +129,25 @@ def unscale_rows(log):
 
 
 def train_step_rows(log, report_text):
-    problem = phase_problem(log, "train_step")
-    if problem is not None or not report_text:
-        reason = problem or "no train_step.json"
-        return [Row("train_step: amp O2 vs autocast + GradScaler", reason, f"<= {O2_VS_TORCH_GOAL}",
-                    NOT_RUN)]
+    check, goal = "train_step: amp O2 vs autocast + GradScaler", f"<= {O2_VS_TORCH_GOAL}"
+    status, problem = phase_outcome(log, "train_step")
+    if status != MET or not report_text:
+        return [Row(check, problem or "no train_step.json", goal, NOT_RUN)]
+    try:
+        tables = {workload: (table[AMP_O2], table[TORCH_FP16])
+                  for workload, table in json.loads(report_text)["workloads"].items()}
+    except (ValueError, KeyError) as err:
+        return [Row(check, f"train_step.json is not what this summary reads: {err!r}", goal, NOT_RUN)]
     rows = []
-    for workload, table in json.loads(report_text)["workloads"].items():
-        ours, theirs = table[AMP_O2], table[TORCH_FP16]
+    for workload, (ours, theirs) in tables.items():
         for what, key, unit in (("step time", "step_ms", "ms"), ("peak memory", "peak_mib", "MiB")):
             check = f"train_step {workload}: O2 {what} vs autocast + GradScaler"
             if ours[key] is None or theirs[key] is None:
-                rows.append(Row(check, f"{what} was not measured (CUDA only)",
-                                f"<= {O2_VS_TORCH_GOAL}", NOT_RUN))
+                rows.append(Row(check, f"{what} was not measured (CUDA only)", goal, NOT_RUN))
                 continue
             ratio = ours[key] / theirs[key]
             result = f"{ratio:.2f}x ({ours[key]:.2f} {unit} vs {theirs[key]:.2f} {unit})"
-            rows.append(Row(check, result, f"<= {O2_VS_TORCH_GOAL}",
-                            MET if ratio <= O2_VS_TORCH_GOAL else NOT_MET))
+            rows.append(Row(check, result, goal, MET if ratio <= O2_VS_TORCH_GOAL else NOT_MET))
     return rows
 
 

@@ -5,12 +5,19 @@ drifts of a noisy machine hit all of them alike; medians are printed. Besides th
 table gives each step's overhead: the time from the end of backward to the end of the step
 (unscaling, the overflow check, the optimizer step, the master->model copy; GradScaler's
 step and update), measured inside the same steps, which is what amp and GradScaler actually
-compete on. Peak memory is measured on CUDA only.
+compete on. On CUDA the steps are timed with CUDA events (no synchronisation inside a step) and
+the table adds each configuration's peak memory: the most allocated during its timed steps, over
+what was allocated before it was built. amp's rows are compared with torch's of the same dtype
+(autocast + GradScaler for fp16, autocast for bf16). ``--json`` also writes the medians to a file
+(``tools/gpu_check.sh`` reads it).
 
     python benchmarks/train_step.py                 # CPU
-    python benchmarks/train_step.py --device cuda --steps 50
+    python benchmarks/train_step.py --device cuda --size large --json train_step.json
 """
 import argparse
+import gc
+import json
+import math
 import statistics
 import time
 
@@ -54,13 +61,23 @@ def small_cnn():
         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10))
 
 
-def workload(name, device):
+# size -> (GPT: vocab, width, heads, layers, sequence, batch; CNN: batch). "large" keeps a GPU
+# busy enough that the steps are not bound by kernel launches.
+SIZES = {
+    "small": dict(gpt=(512, 128, 4, 2, 64, 8), cnn=32),
+    "large": dict(gpt=(8192, 1024, 16, 8, 256, 16), cnn=256),
+}
+
+
+def workload(name, size, device):
     generator = torch.Generator().manual_seed(0)
     if name == "gpt":
-        tokens = torch.randint(0, 512, (8, 64), generator=generator).to(device)
-        return TinyGPT, tokens, tokens
-    images = torch.randn(32, 3, 32, 32, generator=generator).to(device)
-    return small_cnn, images, torch.randint(0, 10, (32,), generator=generator).to(device)
+        vocab, width, heads, layers, seq, batch = SIZES[size]["gpt"]
+        tokens = torch.randint(0, vocab, (batch, seq), generator=generator).to(device)
+        return (lambda: TinyGPT(vocab, width, heads, layers, seq)), tokens, tokens
+    batch = SIZES[size]["cnn"]
+    images = torch.randn(batch, 3, 32, 32, generator=generator).to(device)
+    return small_cnn, images, torch.randint(0, 10, (batch,), generator=generator).to(device)
 
 
 def loss_fn(output, target):
@@ -81,22 +98,36 @@ CONFIGS = {
 def build(config, model_fn, device, fused):
     kind, dtype = CONFIGS[config]
     torch.manual_seed(0)
-    model = model_fn().to(device)
+    with device:  # initialised where it trains: a large model's CPU init would dominate the run
+        model = model_fn()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused)
     if kind.startswith("O"):
         model, optimizer = amp.initialize(model, optimizer, opt_level=kind, verbosity=0)
     return kind, dtype, model, optimizer
 
 
+def mark(device):
+    """A point on the device's timeline: a recorded CUDA event (no sync), else the host clock."""
+    if device.type == "cuda":
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+    return time.perf_counter()
+
+
+def seconds_between(start, end):
+    if isinstance(start, float):
+        return end - start
+    return start.elapsed_time(end) / 1e3  # the caller has synchronised
+
+
 def make_step(kind, dtype, model, optimizer, device):
-    """A closure running one training step; it returns the seconds spent after backward."""
+    """A closure running one training step; it returns marks at its start, the end of backward
+    and its end."""
     scaler = torch.amp.GradScaler(device.type) if kind == "autocast" and dtype == torch.float16 else None
 
-    def backward_done():
-        synchronize(device)
-        return time.perf_counter()
-
     def step(x, y):
+        start = mark(device)
         optimizer.zero_grad(set_to_none=True)
         if kind == "autocast":
             with torch.autocast(device.type, dtype=dtype):
@@ -106,19 +137,18 @@ def make_step(kind, dtype, model, optimizer, device):
         if kind.startswith("O"):
             with amp.scale_loss(loss, optimizer) as scaled_loss:
                 scaled_loss.backward()
-                after_backward = backward_done()
+                after_backward = mark(device)
             optimizer.step()
         elif scaler is not None:
             scaler.scale(loss).backward()
-            after_backward = backward_done()
+            after_backward = mark(device)
             scaler.step(optimizer)
             scaler.update()
         else:
             loss.backward()
-            after_backward = backward_done()
+            after_backward = mark(device)
             optimizer.step()
-        synchronize(device)
-        return time.perf_counter() - after_backward
+        return start, after_backward, mark(device)
     return step
 
 
@@ -127,29 +157,37 @@ def synchronize(device):
         torch.cuda.synchronize()
 
 
-def time_steps(step, x, y, steps, warmup, device):
+def time_steps(step, x, y, steps, warmup, device, baseline):
+    """Median step time and overhead (s), and peak memory (MiB) over ``baseline`` bytes."""
     for _ in range(warmup):
         step(x, y)
     synchronize(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    times, overheads = [], []
-    for _ in range(steps):
-        start = time.perf_counter()
-        overheads.append(step(x, y))
-        times.append(time.perf_counter() - start)
-    peak = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else float("nan")
+    marks = [step(x, y) for _ in range(steps)]
+    synchronize(device)
+    times = [seconds_between(start, end) for start, _, end in marks]
+    overheads = [seconds_between(after_backward, end) for _, after_backward, end in marks]
+    peak = (torch.cuda.max_memory_allocated() - baseline) / 2**20 if device.type == "cuda" else math.nan
     return statistics.median(times), statistics.median(overheads), peak
 
 
+def allocated(device):
+    """Bytes allocated before a configuration is built, once the previous one is collected."""
+    gc.collect()
+    return torch.cuda.memory_allocated() if device.type == "cuda" else 0
+
+
 def run(workload_name, args, device):
-    model_fn, x, y = workload(workload_name, device)
+    model_fn, x, y = workload(workload_name, args.size, device)
     results = {name: {"step": [], "overhead": [], "peak": []} for name in CONFIGS}
     for round_index in range(args.rounds):
         for name in CONFIGS:
+            model = optimizer = step = None  # let the previous configuration be collected
+            baseline = allocated(device)
             kind, dtype, model, optimizer = build(name, model_fn, device, args.fused)
             step = make_step(kind, dtype, model, optimizer, device)
-            measured = time_steps(step, x, y, args.steps, args.warmup, device)
+            measured = time_steps(step, x, y, args.steps, args.warmup, device, baseline)
             for key, value in zip(("step", "overhead", "peak"), measured):
                 results[name][key].append(value)
         print(f"  [{workload_name}] round {round_index + 1}/{args.rounds} done", flush=True)
@@ -157,43 +195,74 @@ def run(workload_name, args, device):
             for name, r in results.items()}
 
 
+def torch_counterpart(dtype):
+    """The torch configuration amp's of this dtype is measured against."""
+    return "autocast fp16 + GradScaler" if dtype == torch.float16 else "autocast bf16"
+
+
 def print_table(workload_name, table):
-    print(f"\n{workload_name}: medians over rounds (ms per step)")
-    print(f"{'config':30} {'step':>9} {'overhead':>9} {'step/fp32':>10} "
-          f"{'vs torch: overhead / step':>26} {'peak MiB':>9}")
+    print(f"\n{workload_name}: medians over rounds (ms per step, MiB)")
+    print(f"{'config':30} {'step':>9} {'overhead':>9} {'step/fp32':>10} {'peak MiB':>9}   "
+          f"{'vs torch: step / overhead / peak':>34}")
     fp32_step = table["fp32"]["step"]
     for name, row in table.items():
         kind, dtype = CONFIGS[name]
-        torch_name = "autocast fp16 + GradScaler" if dtype == torch.float16 else "autocast bf16"
         versus = ""
         if kind.startswith("O"):
-            torch_row = table[torch_name]
-            versus = (f"{row['overhead'] / torch_row['overhead']:.2f}x / "
-                      f"{row['step'] / torch_row['step']:.2f}x")
+            torch_row = table[torch_counterpart(dtype)]
+            peak = f"{row['peak'] / torch_row['peak']:.2f}x" if torch_row["peak"] > 0 else "-"
+            versus = (f"{row['step'] / torch_row['step']:.2f}x / "
+                      f"{row['overhead'] / torch_row['overhead']:.2f}x / {peak}")
         print(f"{name:30} {row['step'] * 1e3:9.2f} {row['overhead'] * 1e3:9.2f} "
-              f"{row['step'] / fp32_step:10.2f} {versus:>26} {row['peak']:9.1f}")
+              f"{row['step'] / fp32_step:10.2f} {row['peak']:9.1f}   {versus:>34}")
     print("overhead = end of backward to end of step. vs torch = amp's / the torch config's of the "
-          "same dtype (autocast+GradScaler for fp16, autocast for bf16).")
+          "same dtype (autocast+GradScaler for fp16, autocast for bf16); peak memory on CUDA only.")
+
+
+def write_json(path, device, args, tables):
+    """Medians in ms and MiB (peak null off CUDA), per workload and configuration."""
+    report = {
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "amp_C": amp.multi_tensor_apply.multi_tensor_applier.available,
+        "size": args.size,
+        "workloads": {
+            workload_name: {
+                name: {"step_ms": row["step"] * 1e3, "overhead_ms": row["overhead"] * 1e3,
+                       "peak_mib": None if math.isnan(row["peak"]) else row["peak"]}
+                for name, row in table.items()}
+            for workload_name, table in tables.items()},
+    }
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     parser.add_argument("--workload", choices=["gpt", "cnn", "both"], default="both")
+    parser.add_argument("--size", choices=list(SIZES), default="small",
+                        help="model and batch size (default: small; large is for a GPU)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per measurement")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=5, help="interleaved repetitions")
     parser.add_argument("--no-fused", dest="fused", action="store_false",
                         help="use the for-loop AdamW instead of fused=True")
+    parser.add_argument("--json", metavar="PATH", help="also write the medians to this JSON file")
     args = parser.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda needs a CUDA GPU")
     print(f"device={device} torch={torch.__version__} threads={torch.get_num_threads()} "
-          f"fused AdamW={args.fused} amp_C={amp.multi_tensor_apply.multi_tensor_applier.available}")
+          f"size={args.size} fused AdamW={args.fused} "
+          f"amp_C={amp.multi_tensor_apply.multi_tensor_applier.available}")
     names = ["gpt", "cnn"] if args.workload == "both" else [args.workload]
+    tables = {}
     for name in names:
-        print_table(name, run(name, args, device))
+        tables[name] = run(name, args, device)
+        print_table(name, tables[name])
+    if args.json:
+        write_json(args.json, device, args, tables)
 
 
 if __name__ == "__main__":

@@ -72,7 +72,7 @@ def _lazy_init_with_master_weights(self):
     stash = self._amp_stash
     for name in ("fp16_groups", "fp32_from_fp16_groups", "fp32_from_fp32_groups", "all_fp16_params",
                  "all_fp32_from_fp16_params", "all_fp32_from_fp32_params", "all_fp16_grad_stash",
-                 "all_fp32_from_fp32_grad_stash"):
+                 "all_fp32_from_fp32_grad_stash", "master_grad_buffers"):
         setattr(stash, name, [])
     for group in self.param_groups:
         _add_master_group(self, group, stash.fp32_values)
@@ -98,6 +98,7 @@ def _add_master_group(optimizer, group, fp32_values):
     stash.all_fp32_from_fp16_params += masters
     stash.all_fp32_from_fp32_params += fp32_params
     stash.all_fp16_grad_stash += [None for _ in fp16_params]
+    stash.master_grad_buffers += [None for _ in masters]
     stash.all_fp32_from_fp32_grad_stash += [None for _ in fp32_params]
 
 
@@ -210,21 +211,34 @@ def _unscale_models_are_masters(scaler, params, stash_list):
         scaler.unscale_with_stashed(with_stash, stashed, with_stash)
 
 
+def _master_grad_buffer(stash, index, master):
+    """The fp32 tensor that receives ``master``'s unscaled grad, allocated once and reused.
+
+    Every step sets the masters' ``.grad`` back to None, so no step sees another's values; reusing
+    the tensor saves an allocation per parameter per step.
+    """
+    buffer = stash.master_grad_buffers[index]
+    if buffer is None:
+        buffer = stash.master_grad_buffers[index] = torch.empty_like(master)
+    return buffer
+
+
 def _post_backward_with_master_weights(self, scaler):
     stash = self._amp_stash
     self._amp_lazy_init()
     fresh_model, fresh_master, acc_model, acc_master = [], [], [], []
-    for param, master in zip(stash.all_fp16_params, stash.all_fp32_from_fp16_params):
-        if param.grad is None:
+    for index, (param, master) in enumerate(zip(stash.all_fp16_params, stash.all_fp32_from_fp16_params)):
+        grad = param.grad
+        if grad is None:
             continue
-        if param.grad.is_sparse:
-            master.grad = _unscaled_sparse(scaler, param.grad, master.dtype, master.grad)
+        if grad.is_sparse:
+            master.grad = _unscaled_sparse(scaler, grad, master.dtype, master.grad)
         elif master.grad is None:
-            master.grad = torch.empty_like(master)
-            fresh_model.append(param.grad)
+            master.grad = _master_grad_buffer(stash, index, master)
+            fresh_model.append(grad)
             fresh_master.append(master.grad)
         else:
-            acc_model.append(param.grad)
+            acc_model.append(grad)
             acc_master.append(master.grad)
     if fresh_model:
         scaler.unscale(fresh_model, fresh_master, None)

@@ -1,4 +1,4 @@
-"""What amp attaches to an O2/O5 model: copies, pickling and wrappers."""
+"""What amp attaches to an O2/O5 model: copies, pickling, wrappers and weights written from outside."""
 import copy
 import io
 
@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import amp
-from amp_common import MASTER_LEVELS, batch, fresh_amp, initialized, train_step  # noqa: F401
+from amp_common import MASTER_LEVELS, batch, fresh_amp, initialized, loss_of, net, train_step  # noqa: F401
 
 
 def named_masters(model, optimizer):
@@ -84,3 +84,29 @@ def test_state_dict_through_a_parent_module_saves_and_loads_the_fp32_masters(opt
     Parent(other).load_state_dict(state)
     loaded = named_masters(other, other_optimizer)
     assert all(torch.equal(loaded[name], master) for name, master in masters.items())
+
+
+def zero_loss_step(model, optimizer):
+    """A step whose grads are all zero: SGD (no weight decay) leaves every weight where it is."""
+    with amp.scale_loss(loss_of(model(batch(0))) * 0.0, optimizer) as scaled_loss:
+        scaled_loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+@pytest.mark.parametrize("opt_level", MASTER_LEVELS)
+def test_weights_loaded_into_a_submodule_after_initialize_are_not_reverted_by_the_step(opt_level):
+    model, optimizer = initialized(opt_level)
+    loaded = nn.Linear(8, 2)
+    model.fc2.load_state_dict(loaded.state_dict())
+    zero_loss_step(model, optimizer)
+    dtype = model.fc2.weight.dtype
+    assert torch.equal(model.fc2.weight, loaded.weight.detach().to(dtype))
+    assert torch.equal(named_masters(model, optimizer)["fc2.weight"], loaded.weight.detach().to(dtype).float())
+
+
+def test_masters_stay_exact_fp32_when_nothing_else_wrote_the_model():
+    reference = net().state_dict()
+    model, optimizer = initialized("O2")
+    zero_loss_step(model, optimizer)
+    assert torch.equal(named_masters(model, optimizer)["fc1.weight"], reference["fc1.weight"])

@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 
 import amp
 from amp._amp_state import _amp_state
-from amp_common import batch, fresh_amp, loss_of, net, poison_grad, sgd  # noqa: F401
+from amp_common import batch, fresh_amp, loss_of, named_masters, net, poison_grad, sgd  # noqa: F401
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
@@ -69,11 +69,6 @@ def seeded_apart_scenario(rank, opt_level):
         optimizer.zero_grad()
     return dict(params_equal=same_on_every_rank(list(model.parameters())),
                 masters_equal=same_on_every_rank(list(amp.master_params(optimizer))))
-
-
-def named_masters(model, optimizer):
-    """``{name: master}``; an fp32 param (BN) is its own master. The optimizer lists the params in model order."""
-    return {name: master for (name, _), master in zip(model.named_parameters(), amp.master_params(optimizer))}
 
 
 def ddp_state_dict_scenario(rank):

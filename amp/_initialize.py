@@ -1,9 +1,7 @@
-"""What ``amp.initialize`` does to models: checks, casting, forward patching and state-dict hooks.
+"""What ``amp.initialize`` does to models: checks, casting, and the hooks of ``_model_hooks``.
 
 Optimizers are handed to ``_process_optimizer``; loss scalers and O1/O4 patches are created here.
 """
-import collections.abc
-import copy
 import functools
 
 import torch
@@ -13,47 +11,12 @@ from fp16_utils.fp16util import convert_network
 
 from . import casting
 from ._amp_state import _amp_state, warn_or_err
+from ._model_hooks import cast_forward, register_fp32_state_dict_hooks, to_type
 from ._process_optimizer import ATTACHED_METHODS, _process_optimizer
 from .scaler import LossScaler
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 _PARALLEL_WRAPPERS = (nn.parallel.DistributedDataParallel, nn.DataParallel)
-
-
-def applier(value, fn):
-    """Apply ``fn`` to every tensor (or object with ``.to``) inside ``value``, keeping container types.
-
-    Dict subclasses, namedtuples, lists and tuples come back as the same type; strings, numpy
-    arrays and anything unknown pass through untouched.
-    """
-    if isinstance(value, torch.Tensor):
-        return fn(value)
-    if isinstance(value, (str, bytes)) or type(value).__module__ == "numpy":
-        return value
-    if hasattr(value, "to") and callable(value.to) and not isinstance(value, nn.Module):
-        return fn(value)
-    if isinstance(value, collections.abc.Mapping):
-        if type(value) is dict:
-            return {key: applier(item, fn) for key, item in value.items()}
-        if isinstance(value, dict):
-            # copy.copy keeps the subclass and its extra state (defaultdict's factory, ...).
-            out = copy.copy(value)
-            for key, item in value.items():
-                out[key] = applier(item, fn)
-            return out
-        return type(value)({key: applier(item, fn) for key, item in value.items()})
-    if isinstance(value, tuple) and hasattr(value, "_fields"):
-        return type(value)(*(applier(item, fn) for item in value))
-    if isinstance(value, (list, tuple)):
-        return type(value)(applier(item, fn) for item in value)
-    return value
-
-
-def to_type(dtype, value):
-    """Cast floating tensors to ``dtype``; objects with ``.to`` (custom batches) get ``.to(dtype)``."""
-    if isinstance(value, torch.Tensor):
-        return value.to(dtype) if value.is_floating_point() else value
-    return value.to(dtype)
 
 
 def _check_models(models):
@@ -78,51 +41,6 @@ def _check_params_fp32(models):
                     f"Found param or buffer {name} with dtype {tensor.dtype}. When using "
                     "amp.initialize, you do not need to call .half() or .bfloat16() on your model "
                     "before passing it, no matter what optimization level you choose.")
-
-
-def _patch_forward(model, input_caster, output_caster):
-    forward = model.forward
-
-    @functools.wraps(forward)
-    def new_fwd(*args, **kwargs):
-        if input_caster is not None:
-            args = applier(args, input_caster)
-            kwargs = applier(kwargs, input_caster)
-        return applier(forward(*args, **kwargs), output_caster)
-
-    model.forward = new_fwd
-
-
-def _register_fp32_state_dict_hooks(model, master_of):
-    """Make ``model.state_dict()`` fp32 and exact; let ``load_state_dict`` restore the masters.
-
-    Under master weights each low-precision parameter's entry is its fp32 master, so a checkpoint
-    keeps the full-precision values; loading such a checkpoint writes them back into the masters
-    (the model copy is rounded by ``load_state_dict`` itself). Other low-precision entries are
-    widened to fp32, as Apex did.
-    """
-    names = {id(p): name for name, p in model.named_parameters()}
-    masters_by_name = {names[key]: master for key, master in master_of.items() if key in names}
-
-    def to_fp32(module, state_dict, prefix, local_metadata):
-        if prefix:  # only the root's hook walks the whole dict
-            return
-        for key, value in state_dict.items():
-            master = masters_by_name.get(key)
-            if master is not None:
-                state_dict[key] = master.detach()
-            elif isinstance(value, torch.Tensor) and value.dtype in LOW_PRECISION:
-                state_dict[key] = value.float()
-
-    def load_masters(module, state_dict, prefix, *args):
-        for name, master in masters_by_name.items():
-            value = state_dict.get(prefix + name)
-            if isinstance(value, torch.Tensor) and value.shape == master.shape:
-                with torch.no_grad():
-                    master.copy_(value)
-
-    model.register_state_dict_post_hook(to_fp32)
-    model.register_load_state_dict_pre_hook(load_masters)
 
 
 def _as_model_list(models):
@@ -229,27 +147,21 @@ def _initialize(models, optimizers, context, num_losses, cast_model_outputs, sca
         input_caster = functools.partial(to_type, cast_type)
         output_caster = functools.partial(to_type, cast_model_outputs or torch.float32)
         for model in models:
-            _patch_forward(model, input_caster, output_caster)
+            cast_forward(model, input_caster, output_caster)
         for optimizer in optimizers:
             optimizer.load_state_dict(optimizer.state_dict())
     elif cast_model_outputs is not None:
         output_caster = functools.partial(to_type, cast_model_outputs)
         for model in models:
-            _patch_forward(model, None, output_caster)
+            cast_forward(model, None, output_caster)
 
     context.loss_scalers = loss_scalers
     for optimizer in optimizers:
         _process_optimizer(optimizer, context, param_names, fp32_values, max_consecutive_skips)
 
     if cast_type in LOW_PRECISION:
-        master_of = {}
-        for optimizer in optimizers:
-            stash = optimizer._amp_stash
-            if properties.master_weights:
-                for model_param, master in zip(stash.all_fp16_params, stash.all_fp32_from_fp16_params):
-                    master_of[id(model_param)] = master
         for model in models:
-            _register_fp32_state_dict_hooks(model, master_of)
+            register_fp32_state_dict_hooks(model, optimizers)
 
     if properties.patch_torch_functions:
         casting.init(loss_scale=properties.loss_scale, verbose=(context.verbosity == 2),

@@ -80,6 +80,7 @@ def _lazy_init_with_master_weights(self):
         param.grad = None
     # Recast existing optimizer state (momentum, ...) to the masters' fp32.
     self.load_state_dict(self.state_dict())
+    _note_model_versions(stash)
 
 
 def _add_master_group(optimizer, group, fp32_values):
@@ -136,6 +137,7 @@ def _master_params_to_model_params(self):
         # kernel for it (amp_C's scale-by-1.0 measured 2x slower on CPU for fp32 -> fp16).
         with torch.no_grad():
             torch._foreach_copy_(stash.all_fp16_params, stash.all_fp32_from_fp16_params)
+        _note_model_versions(stash)
 
 
 def _stash_and_clear_grads(params, stash_list):
@@ -151,9 +153,40 @@ def _stash_and_clear_grads(params, stash_list):
         param.grad = None
 
 
+def _note_model_versions(stash):
+    """Remember each low-precision param's version right after amp wrote it (see below)."""
+    stash.model_versions = [param._version for param in stash.all_fp16_params]
+
+
+def _refresh_masters_written_elsewhere(stash):
+    """Take into its master the value of each low-precision param that something else wrote.
+
+    DDP's broadcast of rank 0's weights, ``load_state_dict`` on a submodule or an in-place edit
+    changes a param after its master was made; stepping the stale master would write it back
+    (and DDP ranks would diverge). A master is kept only if it rounds to the param and was itself
+    written since it was made (by a step, or by loading a checkpoint through the model): the param
+    was then rounded from it, and its extra fp32 bits are the same on every rank. An untouched
+    master holds this process's own initial weights, which another rank's broadcast weights may
+    round alike from different fp32 values, so it is replaced. Writes through ``param.data``
+    bypass the version counter and go unseen.
+    """
+    versions = [param._version for param in stash.all_fp16_params]
+    recorded = stash.model_versions
+    if versions == recorded:
+        return
+    with torch.no_grad():
+        for index, (param, master) in enumerate(zip(stash.all_fp16_params, stash.all_fp32_from_fp16_params)):
+            if index < len(recorded) and recorded[index] == versions[index]:
+                continue
+            if master._version == 0 or not torch.equal(master.to(param.dtype), param):
+                master.copy_(param)
+    stash.model_versions = versions
+
+
 def _prepare_backward_with_master_weights(self):
     stash = self._amp_stash
     self._amp_lazy_init()
+    _refresh_masters_written_elsewhere(stash)
     # The masters hold what was accumulated so far; the model's fp16 grads start afresh.
     for param in stash.all_fp16_params:
         if param.grad is not None:

@@ -83,6 +83,11 @@ def initialized(opt_level, make_optimizer=sgd, seed=0, **kwargs):
     return amp.initialize(model, optimizer, opt_level=opt_level, **kwargs)
 
 
+def named_masters(model, optimizer):
+    """``{name: master}``; an fp32 param (BN) is its own master. The optimizer lists the params in model order."""
+    return {name: master for (name, _), master in zip(model.named_parameters(), amp.master_params(optimizer))}
+
+
 def poison_grad(tensor, value=float("inf")):
     """Write a non-finite value into ``tensor.grad`` as a buggy model would."""
     with torch.no_grad():

@@ -3,11 +3,12 @@ import io
 
 import pytest
 import torch
+from torch import nn
 
 import amp
 from amp._amp_state import _amp_state
-from amp_common import (LEVELS, adam, assert_identical, batch, fresh_amp, initialized, loss_of,  # noqa: F401
-                        sgd, snapshot, train_step)
+from amp_common import (LEVELS, MASTER_LEVELS, adam, assert_identical, batch, fresh_amp, initialized,  # noqa: F401
+                        loss_of, net, sgd, snapshot, train_step)
 
 STEPS = 6
 SAVE_AFTER = 3
@@ -118,3 +119,78 @@ def test_loss_scale_decreases_once_per_overflow_of_its_own_loss(opt_level):
         assert state[f"loss_scaler{loss_id}"]["loss_scale"] == 2.0**16 / 2**loss_id
         assert state[f"loss_scaler{loss_id}"]["unskipped"] == 0
     assert int(amp.skipped_steps(optimizer)) == 3
+
+
+class TiedNet(nn.Module):
+    """A language-model shape: the output head shares its weight with the embedding."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 8)
+        self.fc = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 10, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, tokens):
+        return self.head(torch.relu(self.fc(self.emb(tokens))))
+
+
+def tied_initialized(opt_level, seed=0):
+    torch.manual_seed(seed)
+    model = TiedNet()
+    return amp.initialize(model, sgd(model.parameters()), opt_level=opt_level, verbosity=0)
+
+
+def train_tied(model, optimizer, steps):
+    for step in steps:
+        tokens = torch.randint(0, 10, (16,), generator=torch.Generator().manual_seed(step))
+        with amp.scale_loss(nn.functional.cross_entropy(model(tokens), tokens), optimizer) as scaled_loss:
+            scaled_loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+@pytest.mark.parametrize("opt_level", MASTER_LEVELS)
+def test_tied_weight_saves_its_master_under_every_name(opt_level):
+    model, optimizer = tied_initialized(opt_level)
+    train_tied(model, optimizer, range(2))
+    state = model.state_dict()
+    assert torch.equal(state["head.weight"], state["emb.weight"])
+    assert torch.equal(state["emb.weight"], next(amp.master_params(optimizer)))
+
+
+@pytest.mark.parametrize("opt_level", MASTER_LEVELS)
+def test_tied_weight_checkpoint_loads_the_exact_master_into_a_plain_fp32_model(opt_level):
+    """A plain model loads the aliases in turn, so the last one wins: it must hold the master too."""
+    model, optimizer = tied_initialized(opt_level)
+    train_tied(model, optimizer, range(2))
+    plain = TiedNet()
+    plain.load_state_dict(save(model, optimizer)["model"])
+    assert torch.equal(plain.emb.weight, next(amp.master_params(optimizer)))
+
+
+def fc1_then_fc2_group(opt_level, seed=0):
+    """fc1 (and BN) in the optimizer at initialize; fc2 added afterwards with add_param_group."""
+    model = net(seed)
+    optimizer = sgd(list(model.fc1.parameters()) + list(model.bn.parameters()))
+    model, optimizer = amp.initialize(model, optimizer, opt_level=opt_level, verbosity=0)
+    optimizer.add_param_group({"params": list(model.fc2.parameters())})
+    return model, optimizer
+
+
+@pytest.mark.parametrize("opt_level", MASTER_LEVELS)
+def test_masters_of_a_param_group_added_after_initialize_are_saved_and_restored(opt_level):
+    model, optimizer = fc1_then_fc2_group(opt_level)
+    train(model, optimizer, range(STEPS), set())
+    expected = snapshot(model, optimizer)
+
+    model, optimizer = fc1_then_fc2_group(opt_level)
+    train(model, optimizer, range(SAVE_AFTER), set())
+    checkpoint = save(model, optimizer)
+    assert torch.equal(checkpoint["model"]["fc2.weight"], list(amp.master_params(optimizer))[-2])
+    model, optimizer = fc1_then_fc2_group(opt_level, seed=1)
+    model.load_state_dict(checkpoint["model"])
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    amp.load_state_dict(checkpoint["amp"])
+    train(model, optimizer, range(SAVE_AFTER, STEPS), set())
+    assert_identical(snapshot(model, optimizer), expected)

@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 
 import amp
 from amp._amp_state import _amp_state
-from amp_common import batch, fresh_amp, loss_of, net, poison_grad, sgd  # noqa: F401
+from amp_common import batch, fresh_amp, loss_of, named_masters, net, poison_grad, sgd  # noqa: F401
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
@@ -57,6 +57,40 @@ def ddp_scenario(rank):
                 scale=_amp_state.loss_scalers[0].loss_scale())
 
 
+def seeded_apart_scenario(rank, opt_level):
+    """Each rank builds its model from its own seed (as Apex's imagenet example does); DDP broadcasts rank 0's."""
+    model = net(seed=rank)
+    model, optimizer = amp.initialize(model, sgd(model.parameters()), opt_level=opt_level, verbosity=0)
+    model = torch.nn.parallel.DistributedDataParallel(model)
+    for step in range(5):
+        with amp.scale_loss(loss_of(model(batch(10 * step + rank))), optimizer) as scaled_loss:
+            scaled_loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return dict(params_equal=same_on_every_rank(list(model.parameters())),
+                masters_equal=same_on_every_rank(list(amp.master_params(optimizer))))
+
+
+def ddp_state_dict_scenario(rank):
+    """An O2 model in DDP: its state dict holds the masters under 'module.', and loads them back."""
+    model = net()
+    model, optimizer = amp.initialize(model, sgd(model.parameters()), opt_level="O2", verbosity=0)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    for step in range(2):
+        with amp.scale_loss(loss_of(ddp(batch(step))), optimizer) as scaled_loss:
+            scaled_loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    state = ddp.state_dict()
+    masters = named_masters(model, optimizer)
+    other = net(seed=1)
+    other, other_optimizer = amp.initialize(other, sgd(other.parameters()), opt_level="O2", verbosity=0)
+    torch.nn.parallel.DistributedDataParallel(other).load_state_dict(state)
+    loaded = named_masters(other, other_optimizer)
+    return dict(saved=all(torch.equal(state["module." + name], m) for name, m in masters.items()),
+                loaded=all(torch.equal(loaded[name], m) for name, m in masters.items()))
+
+
 def group_scenario(rank, group):
     """No DDP; only rank 0's local grads hold an inf at step 1."""
     model = net()
@@ -87,6 +121,8 @@ def worker(rank, port, out_dir):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     try:
         results = dict(ddp=ddp_scenario(rank),
+                       seeded_apart={level: seeded_apart_scenario(rank, level) for level in ("O2", "O5")},
+                       ddp_state_dict=ddp_state_dict_scenario(rank),
                        group_world=group_scenario(rank, dist.group.WORLD),
                        new_group=group_scenario(rank, dist.new_group(list(range(WORLD)))),
                        wrapped_error=wrapped_model_error())
@@ -111,6 +147,17 @@ def test_o2_model_in_ddp_after_initialize_keeps_params_and_masters_identical_on_
 def test_o2_model_in_ddp_skips_on_both_ranks_when_one_rank_loss_is_inf(ranks):
     assert [r["ddp"]["skips"] for r in ranks] == [[False, False, True, False]] * WORLD
     assert [r["ddp"]["scale"] for r in ranks] == [2.0**15] * WORLD
+
+
+@pytest.mark.parametrize("opt_level", ["O2", "O5"])
+def test_ranks_seeded_apart_train_bit_identically_after_ddp_broadcasts_rank_0s_weights(ranks, opt_level):
+    for result in ranks:
+        assert result["seeded_apart"][opt_level] == dict(params_equal=True, masters_equal=True)
+
+
+def test_state_dict_through_ddp_saves_and_loads_the_fp32_masters(ranks):
+    for result in ranks:
+        assert result["ddp_state_dict"] == dict(saved=True, loaded=True)
 
 
 @pytest.mark.parametrize("group", ["group_world", "new_group"])

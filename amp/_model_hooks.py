@@ -1,0 +1,126 @@
+"""The hooks ``amp.initialize`` registers on a model: forward casting and fp32 state dicts.
+
+Every hook is a module-level function bound with ``functools.partial`` (or a small picklable
+object), never a closure over the original model, so ``copy.deepcopy(model)`` gives an
+independent model and ``torch.save(model)`` can pickle it.
+"""
+import collections.abc
+import copy
+import functools
+import weakref
+
+import torch
+from torch import nn
+
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def applier(value, fn):
+    """Apply ``fn`` to every tensor (or object with ``.to``) inside ``value``, keeping container types.
+
+    Dict subclasses, namedtuples, lists and tuples come back as the same type; strings, numpy
+    arrays and anything unknown pass through untouched.
+    """
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, (str, bytes)) or type(value).__module__ == "numpy":
+        return value
+    if hasattr(value, "to") and callable(value.to) and not isinstance(value, nn.Module):
+        return fn(value)
+    if isinstance(value, collections.abc.Mapping):
+        if type(value) is dict:
+            return {key: applier(item, fn) for key, item in value.items()}
+        if isinstance(value, dict):
+            # copy.copy keeps the subclass and its extra state (defaultdict's factory, ...).
+            out = copy.copy(value)
+            for key, item in value.items():
+                out[key] = applier(item, fn)
+            return out
+        return type(value)({key: applier(item, fn) for key, item in value.items()})
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(applier(item, fn) for item in value))
+    if isinstance(value, (list, tuple)):
+        return type(value)(applier(item, fn) for item in value)
+    return value
+
+
+def to_type(dtype, value):
+    """Cast floating tensors to ``dtype``; objects with ``.to`` (custom batches) get ``.to(dtype)``."""
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    return value.to(dtype)
+
+
+def _cast_inputs(caster, module, args, kwargs):
+    return applier(args, caster), applier(kwargs, caster)
+
+
+def _cast_output(caster, module, args, output):
+    return applier(output, caster)
+
+
+def cast_forward(model, input_caster, output_caster):
+    """Cast the model's inputs with ``input_caster`` (unless None) and its output with ``output_caster``.
+
+    The output is cast before any forward hook the user registered earlier sees it, as when the
+    cast happened inside ``forward``.
+    """
+    if input_caster is not None:
+        model.register_forward_pre_hook(functools.partial(_cast_inputs, input_caster), with_kwargs=True)
+    model.register_forward_hook(functools.partial(_cast_output, output_caster), prepend=True)
+
+
+class _Masters:
+    """Finds the fp32 masters of a model's params in the optimizers, each time it is asked.
+
+    Looking them up at save/load time finds masters made after ``initialize`` (by
+    ``add_param_group``). Only weak references are held, and a copy of the model (``deepcopy``,
+    pickling) holds none: the copy's params are its own and no optimizer steps them, so its
+    state dict is its own weights.
+    """
+
+    def __init__(self, optimizers):
+        self.optimizers = [weakref.ref(optimizer) for optimizer in optimizers]
+
+    def __getstate__(self):
+        return {"optimizers": []}
+
+    def named(self, module):
+        """``(name, master)`` for every name of ``module``'s params that have one, tied aliases included."""
+        master_of = {}
+        for ref in self.optimizers:
+            stash = getattr(ref(), "_amp_stash", None)
+            if stash is not None and stash.master_weights:
+                master_of.update(zip(map(id, stash.all_fp16_params), stash.all_fp32_from_fp16_params))
+        return [(name, master_of[id(param)])
+                for name, param in module.named_parameters(remove_duplicate=False) if id(param) in master_of]
+
+
+def _state_dict_to_fp32(masters, module, state_dict, prefix, local_metadata):
+    for name, master in masters.named(module):
+        state_dict[prefix + name] = master.detach()
+    for key, value in state_dict.items():
+        if key.startswith(prefix) and isinstance(value, torch.Tensor) and value.dtype in LOW_PRECISION:
+            state_dict[key] = value.float()
+
+
+def _load_masters(masters, module, state_dict, prefix, *args):
+    for name, master in masters.named(module):
+        value = state_dict.get(prefix + name)
+        if isinstance(value, torch.Tensor) and value.shape == master.shape:
+            with torch.no_grad():
+                master.copy_(value)
+
+
+def register_fp32_state_dict_hooks(model, optimizers):
+    """Make ``model.state_dict()`` fp32 and exact; let ``load_state_dict`` restore the masters.
+
+    Under master weights each low-precision parameter's entry (under every name it has) is its
+    fp32 master, so a checkpoint keeps the full-precision values; loading one writes them back
+    into the masters (the model copy is rounded by ``load_state_dict`` itself). Other
+    low-precision entries are widened to fp32, as Apex did. Both work with the model inside a
+    wrapper (DDP, a parent module): the keys carry the wrapper's prefix both ways.
+    """
+    masters = _Masters(optimizers)
+    model.register_state_dict_post_hook(functools.partial(_state_dict_to_fp32, masters))
+    model.register_load_state_dict_pre_hook(functools.partial(_load_masters, masters))

@@ -160,6 +160,57 @@ def test_scale_with_no_tensors_is_a_no_op(device):
     assert flag.item() == 0
 
 
+def rounding_cases(out_dtype):
+    """fp32 values at the edges of rounding to `out_dtype`: exact ties between neighbours (normal and
+    subnormal), one ulp either side of them, overflow to inf, subnormal results, -0, inf and NaN."""
+    info = torch.finfo(out_dtype)
+    # Every 97th representable non-negative value of out_dtype, and the midpoints to its successor.
+    max_bits = int(torch.tensor(info.max, dtype=out_dtype).view(torch.int16))
+    bits = torch.arange(0, max_bits, 97)
+    lower = bits.to(torch.int16).view(out_dtype).double()
+    upper = (bits + 1).to(torch.int16).view(out_dtype).double()
+    ties = ((lower + upper) / 2).float()
+    near = torch.cat([ties, ties.nextafter(torch.tensor(0.0)), ties.nextafter(torch.tensor(float("inf")))])
+    top = info.max
+    below_top = torch.tensor(max_bits - 1, dtype=torch.int16).view(out_dtype).item()
+    overflow_tie = top + (top - below_top) / 2  # rounds to inf: the largest finite value is odd
+    edges = torch.tensor([0.0, -0.0, float("inf"), float("nan"), info.tiny, info.tiny / 2,
+                          info.smallest_normal * info.eps, info.smallest_normal * info.eps / 2,
+                          top, overflow_tie, overflow_tie * (1 - 2.0**-23), 1e30, 2.0**-149],
+                         dtype=torch.float32)
+    values = torch.cat([near, edges])
+    return torch.cat([values, -values])
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("scale", [1.0, 0.5])
+@pytest.mark.parametrize("length", [None, 5, CHUNK + 13])
+def test_scale_rounds_ties_subnormals_overflow_and_nan_like_the_fallback(device, out_dtype, scale, length):
+    values = rounding_cases(out_dtype)
+    values = values if length is None else values[:length]
+    xs = [values.to(device)]
+    ours = [torch.empty(values.shape, dtype=out_dtype, device=device)]
+    theirs = [torch.empty(values.shape, dtype=out_dtype, device=device)]
+    flag, ref_flag = flags(device)
+    amp_C.multi_tensor_scale(CHUNK, flag, [xs, ours], scale)
+    _torch_ops.multi_tensor_scale(CHUNK, ref_flag, [xs, theirs], scale)
+    assert same_bits(ours[0], theirs[0])
+    assert same_bits(ours[0], (values * scale).to(out_dtype).to(device))
+    assert flag.item() == ref_flag.item()
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.bfloat16])
+def test_axpby_rounds_ties_subnormals_overflow_and_nan_like_the_fallback(device, out_dtype):
+    xs = [rounding_cases(out_dtype).to(device)]
+    ys = [torch.full_like(xs[0], -0.0)]  # a*x + (-0) keeps every value of a*x, -0 included
+    ours, theirs = [torch.empty_like(xs[0], dtype=out_dtype)], [torch.empty_like(xs[0], dtype=out_dtype)]
+    flag, ref_flag = flags(device)
+    amp_C.multi_tensor_axpby(CHUNK, flag, [xs, ys, ours], 1.0, 1.0, -1)
+    _torch_ops.multi_tensor_axpby(CHUNK, ref_flag, [xs, ys, theirs], 1.0, 1.0, -1)
+    assert same_bits(ours[0], theirs[0]) and same_bits(ours[0], xs[0].to(out_dtype))
+    assert flag.item() == ref_flag.item()
+
+
 # ---- multi_tensor_axpby --------------------------------------------------------------------------
 
 

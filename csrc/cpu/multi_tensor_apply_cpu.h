@@ -11,6 +11,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cfloat>
 #include <cmath>
@@ -123,6 +124,27 @@ template <> AMP_INLINE bf16_t from_float<bf16_t>(float x) {
   const uint32_t bits = float_to_bits(x);
   const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
   return bf16_t{x != x ? uint16_t{0x7fc0} : static_cast<uint16_t>(rounded)};  // c10's NaN
+}
+
+// out[0, n) = fp16(in[0, n)), rounded like from_float<half_t> but eight at a time (to_half_cpu.cpp).
+void to_half(half_t* out, const float* in, int64_t n);
+
+// Elements of the fp32 staging block of a loop that stores fp16: small enough to stay in L1.
+constexpr int64_t kHalfBlock = 1024;
+
+// Runs a loop with an fp16 output in blocks: compute(block, i, m) writes the fp32 results of
+// elements [i, i + m) into `block`, which to_half() then stores. Returns whether any compute()
+// returned true.
+template <typename Compute>
+AMP_INLINE bool store_half_in_blocks(half_t* out, int64_t n, Compute&& compute) {
+  float block[kHalfBlock];
+  bool bad = false;
+  for (int64_t i = 0; i < n; i += kHalfBlock) {
+    const int64_t m = std::min(kHalfBlock, n - i);
+    bad |= compute(block, i, m);
+    to_half(out + i, block, m);
+  }
+  return bad;
 }
 
 // NaN fails the comparison, so this is the finiteness test, in a form the vectoriser accepts.

@@ -27,6 +27,13 @@ AMP_INLINE bool axpby_loop(const x_t* x, const y_t* y, out_t* out, int64_t n, Ax
   return bad;
 }
 
+template <typename x_t, typename y_t>
+AMP_INLINE bool axpby_loop(const x_t* x, const y_t* y, half_t* out, int64_t n, AxpbyArgs args) {
+  return store_half_in_blocks(out, n, [&](float* block, int64_t i, int64_t m) {
+    return axpby_loop(x + i, y + i, block, m, args);
+  });
+}
+
 AMP_CPU_CLONES bool axpby_piece(const TensorLists& lists, const Piece& p, AxpbyArgs args) {
   bool bad = false;
   dispatch_float_types(lists.dtype[0], "multi_tensor_axpby", [&](auto x) {

@@ -16,6 +16,13 @@ AMP_INLINE bool scale_loop(const in_t* in, out_t* out, int64_t n, float scale) {
   return bad;
 }
 
+template <typename in_t>
+AMP_INLINE bool scale_loop(const in_t* in, half_t* out, int64_t n, float scale) {
+  return store_half_in_blocks(out, n, [&](float* block, int64_t i, int64_t m) {
+    return scale_loop(in + i, block, m, scale);
+  });
+}
+
 AMP_CPU_CLONES bool scale_piece(const TensorLists& lists, const Piece& p, float scale) {
   bool bad = false;
   dispatch_float_types(lists.dtype[0], "multi_tensor_scale", [&](auto in) {

@@ -11,7 +11,7 @@
 
 #include <string>
 
-#include "amp_C_kernels.h"
+#include "amp_C_host_device.h"
 
 #if defined(AMP_WITH_CUDA_KERNELS) && defined(AMP_WITH_TORCH_CUDA)
 #include <c10/cuda/CUDAStream.h>
@@ -153,7 +153,9 @@ std::tuple<at::Tensor, at::Tensor> l2norm(const char* op, int64_t chunk_size,
   at::Tensor per_tensor_norms = at::zeros({per_tensor ? ntensors : 0}, options);
   if (ntensors == 0) return {total, per_tensor_norms};
   const at::Device device = noop_flag.device();
-  at::Tensor scratch = at::zeros({num_chunks(lists, chunk_size) + ntensors}, options);
+  int64_t chunks = 0;
+  for (int64_t numel : lists.numel) chunks += chunks_of(numel, chunk_size);
+  at::Tensor scratch = at::zeros({chunks + ntensors}, options);
   const NormOutputs out{total.data_ptr<float>(),
                         per_tensor ? per_tensor_norms.data_ptr<float>() : nullptr,
                         scratch.data_ptr<float>(),

@@ -13,15 +13,13 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cfloat>
-#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
-#include "../amp_C_kernels.h"
+#include "../amp_C_host_device.h"
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 // flatten: the dtype dispatch and loops must be inlined into each clone to be compiled for it.
@@ -145,24 +143,6 @@ AMP_INLINE bool store_half_in_blocks(half_t* out, int64_t n, Compute&& compute) 
     to_half(out + i, block, m);
   }
   return bad;
-}
-
-// NaN fails the comparison, so this is the finiteness test, in a form the vectoriser accepts.
-AMP_INLINE bool non_finite(float x) { return !(std::fabs(x) <= FLT_MAX); }
-
-AMP_INLINE float read_scalar(Scalar s) { return s.ptr ? *s.ptr : s.value; }
-
-inline void raise_flag(Flag flag) {
-  if (flag.dtype == DType::Int32) {
-    *static_cast<int32_t*>(flag.ptr) = 1;
-  } else {
-    *static_cast<float*>(flag.ptr) = 1.f;
-  }
-}
-
-inline bool flag_is_set(Flag flag) {
-  return flag.dtype == DType::Int32 ? *static_cast<const int32_t*>(flag.ptr) != 0
-                                    : *static_cast<const float*>(flag.ptr) != 0.f;
 }
 
 }  // namespace cpu

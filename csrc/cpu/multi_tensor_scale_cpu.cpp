@@ -10,7 +10,7 @@ AMP_INLINE bool scale_loop(const in_t* in, out_t* out, int64_t n, float scale) {
   int bad = 0;  // an int, not a bool: an OR-reduction the vectoriser accepts
   for (int64_t i = 0; i < n; ++i) {
     const float x = to_float(in[i]);
-    bad |= non_finite(x);
+    bad |= !is_finite(x);
     out[i] = from_float<out_t>(x * scale);
   }
   return bad;

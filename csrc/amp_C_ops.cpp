@@ -8,8 +8,13 @@
 #include "amp_C_ops.h"
 
 #include <c10/core/DeviceGuard.h>
+#include <c10/core/InferenceMode.h>
 
+#include <algorithm>
+#include <cstdint>
+#include <limits>
 #include <string>
+#include <tuple>
 
 #include "amp_C_host_device.h"
 
@@ -38,6 +43,73 @@ std::string where(size_t list, size_t index) {
   return "tensor_lists[" + std::to_string(list) + "][" + std::to_string(index) + "]";
 }
 
+// Checked before anything is written: autograd refuses the version bump of an inference tensor
+// outside inference mode, and by then the kernel would already have run.
+void check_writable(const at::Tensor& t, const char* op, const std::string& name) {
+  TORCH_CHECK(!t.is_inference() || c10::InferenceMode::is_enabled(), op, ": ", name,
+              " is an inference tensor, which cannot be updated in place outside "
+              "torch.inference_mode(); pass a tensor created outside inference mode (or a clone)");
+}
+
+// Autograd must see what the kernels wrote, as it sees the fallback's in-place torch ops: a
+// tensor saved for backward and then overwritten makes backward() fail instead of using stale values.
+void bump_versions(const std::vector<at::Tensor>& tensors) {
+  for (const at::Tensor& t : tensors) t.unsafeGetTensorImpl()->bump_version();
+}
+
+// The output list is the last one. Its tensors are written in parallel with the reads of all the
+// lists, so an output may share memory only with the inputs at its own index, and only exactly (in
+// place, as Apex's scale(x, x)). The same walk as the fallback's, so the same pair is named: byte
+// ranges sorted, identical ranges grouped, then each group checked against the earlier ones.
+void check_outputs(const char* op, const TensorListList& tensor_lists) {
+  const size_t out_list = tensor_lists.size() - 1;
+  for (size_t i = 0; i < tensor_lists[out_list].size(); ++i) {
+    check_writable(tensor_lists[out_list][i], op, where(out_list, i));
+  }
+  using Range = std::tuple<uintptr_t, uintptr_t, size_t, size_t>;  // begin, end, list, index
+  std::vector<Range> ranges;
+  for (size_t k = 0; k < tensor_lists.size(); ++k) {
+    for (size_t i = 0; i < tensor_lists[k].size(); ++i) {
+      const at::Tensor& t = tensor_lists[k][i];
+      if (t.numel() == 0) continue;
+      const auto begin = reinterpret_cast<uintptr_t>(t.data_ptr());
+      ranges.emplace_back(begin, begin + t.nbytes(), k, i);
+    }
+  }
+  std::sort(ranges.begin(), ranges.end());
+  const auto refuse = [&](const Range& a, const Range& b) {
+    TORCH_CHECK_VALUE(false, op, ": ", where(std::get<2>(a), std::get<3>(a)), " overlaps ",
+                      where(std::get<2>(b), std::get<3>(b)), " in memory; an output may share "
+                      "memory only with its own inputs at the same index (in place), so pass "
+                      "separate tensors");
+  };
+  const Range* widest = nullptr;      // the earlier group reaching furthest
+  const Range* widest_out = nullptr;  // the same among groups holding an output
+  for (size_t g = 0; g < ranges.size();) {
+    size_t end = g;
+    const Range* out = nullptr;
+    for (; end < ranges.size() && std::get<0>(ranges[end]) == std::get<0>(ranges[g]) &&
+           std::get<1>(ranges[end]) == std::get<1>(ranges[g]);
+         ++end) {
+      if (out == nullptr && std::get<2>(ranges[end]) == out_list) out = &ranges[end];
+    }
+    for (size_t m = g; out != nullptr && m < end; ++m) {
+      const Range& r = ranges[m];
+      if (&r != out && (std::get<2>(r) == out_list || std::get<3>(r) != std::get<3>(*out))) {
+        refuse(r, *out);
+      }
+    }
+    const Range& group = out != nullptr ? *out : ranges[g];
+    const Range* earlier = out != nullptr ? widest : widest_out;
+    if (earlier != nullptr && std::get<0>(group) < std::get<1>(*earlier)) refuse(group, *earlier);
+    if (widest == nullptr || std::get<1>(group) > std::get<1>(*widest)) widest = &group;
+    if (out != nullptr && (widest_out == nullptr || std::get<1>(group) > std::get<1>(*widest_out))) {
+      widest_out = &group;
+    }
+    g = end;
+  }
+}
+
 // Checks `tensor_lists` and returns its raw view. Zero tensors give an empty view (a no-op).
 TensorLists view_lists(const char* op, int64_t chunk_size, const at::Tensor& noop_flag,
                        const TensorListList& tensor_lists, size_t depth, const char* lists_doc) {
@@ -63,6 +135,7 @@ TensorLists view_lists(const char* op, int64_t chunk_size, const at::Tensor& noo
   TORCH_CHECK_VALUE(noop_flag.device() == first.device(), op, ": noop_flag is on ", noop_flag.device(),
               " but the tensors are on ", first.device(), "; create the flag on their device");
   TORCH_CHECK_VALUE(noop_flag.is_contiguous(), op, ": noop_flag must be contiguous");
+  check_writable(noop_flag, op, "noop_flag");
   lists.numel.resize(n);
   for (size_t k = 0; k < depth; ++k) {
     lists.dtype[k] = float_dtype(tensor_lists[k][0], op, where(k, 0));
@@ -169,6 +242,7 @@ std::tuple<at::Tensor, at::Tensor> l2norm(const char* op, int64_t chunk_size,
         multi_tensor_l2norm_cuda(chunk_size, flag, lists, s, respect_flag, out, stream);
 #endif
       });
+  bump_versions({noop_flag});
   return {total, per_tensor_norms};
 }
 
@@ -179,6 +253,7 @@ void multi_tensor_scale(int64_t chunk_size, const at::Tensor& noop_flag,
   const char* op = "multi_tensor_scale";
   const TensorLists lists = view_lists(op, chunk_size, noop_flag, tensor_lists, 2, "[in, out]");
   if (lists.numel.empty()) return;
+  check_outputs(op, tensor_lists);
   const Scalar s = scalar_of(scale, noop_flag.device(), op, "scale");
   const Flag flag = flag_of(noop_flag);
   on_device(
@@ -188,6 +263,8 @@ void multi_tensor_scale(int64_t chunk_size, const at::Tensor& noop_flag,
         multi_tensor_scale_cuda(chunk_size, flag, lists, s, stream);
 #endif
       });
+  bump_versions(tensor_lists[1]);
+  bump_versions({noop_flag});
 }
 
 void multi_tensor_axpby(int64_t chunk_size, const at::Tensor& noop_flag,
@@ -196,10 +273,12 @@ void multi_tensor_axpby(int64_t chunk_size, const at::Tensor& noop_flag,
   const char* op = "multi_tensor_axpby";
   const TensorLists lists = view_lists(op, chunk_size, noop_flag, tensor_lists, 3, "[x, y, out]");
   if (lists.numel.empty()) return;
+  check_outputs(op, tensor_lists);
   const Scalar sa = scalar_of(a, noop_flag.device(), op, "a");
   const Scalar sb = scalar_of(b, noop_flag.device(), op, "b");
   const Flag flag = flag_of(noop_flag);
-  const int check = static_cast<int>(arg_to_check);
+  // -1, 0 and 1 select the checked inputs; any other value, however large, checks nothing.
+  const int check = arg_to_check >= -1 && arg_to_check <= 1 ? static_cast<int>(arg_to_check) : 2;
   on_device(
       noop_flag.device(), op, [&] { multi_tensor_axpby_cpu(chunk_size, flag, lists, sa, sb, check); },
       [&](void* stream) {
@@ -207,6 +286,8 @@ void multi_tensor_axpby(int64_t chunk_size, const at::Tensor& noop_flag,
         multi_tensor_axpby_cuda(chunk_size, flag, lists, sa, sb, check, stream);
 #endif
       });
+  bump_versions(tensor_lists[2]);
+  bump_versions({noop_flag});
 }
 
 std::tuple<at::Tensor, at::Tensor> multi_tensor_l2norm(int64_t chunk_size,
@@ -245,10 +326,20 @@ at::Tensor update_scale_hysteresis(const at::Tensor& current_scale,
     TORCH_CHECK_VALUE(t.device() == current_scale.device(), op, ": ", name, " is on ", t.device(),
                 " but current_scale is on ", current_scale.device());
   };
+  const auto check_int32 = [&](int64_t value, const char* name) {
+    TORCH_CHECK_VALUE(value >= std::numeric_limits<int32_t>::min() &&
+                          value <= std::numeric_limits<int32_t>::max(),
+                      op, ": ", name, " must fit in int32 (the trackers' dtype), got ", value);
+  };
   check(current_scale, at::kFloat, "current_scale");
   check(growth_tracker, at::kInt, "growth_tracker");
   check(hysteresis_tracker, at::kInt, "hysteresis_tracker");
   check(found_inf, at::kFloat, "found_inf");
+  check_int32(growth_interval, "growth_interval");
+  check_int32(hysteresis, "hysteresis");
+  check_writable(current_scale, op, "current_scale");
+  check_writable(growth_tracker, op, "growth_tracker");
+  check_writable(hysteresis_tracker, op, "hysteresis_tracker");
   float* scale = current_scale.data_ptr<float>();
   int32_t* growth = growth_tracker.data_ptr<int32_t>();
   int32_t* hyst = hysteresis_tracker.data_ptr<int32_t>();
@@ -265,6 +356,7 @@ at::Tensor update_scale_hysteresis(const at::Tensor& current_scale,
         update_scale_hysteresis_cuda(scale, growth, hyst, inf, gf, bf, gi, h, stream);
 #endif
       });
+  bump_versions({current_scale, growth_tracker, hysteresis_tracker});
   return current_scale;
 }
 

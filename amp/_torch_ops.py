@@ -4,7 +4,7 @@ These run wherever PyTorch runs and are the fallback that ``amp.multi_tensor_app
 ``amp_C`` extension is not built (or does not support the tensors' device). Each op is a handful of
 ``torch._foreach_*`` / ``torch._amp_foreach_non_finite_check_and_unscale_`` calls over the whole
 list, never a Python loop over elements. ``chunk_size`` is accepted for signature compatibility and
-ignored: there are no launches to chunk.
+otherwise ignored (there are no launches to chunk), but refused where ``amp_C`` refuses it.
 
 Rounding contract (the compiled kernels must produce the same bits):
 
@@ -20,6 +20,8 @@ Rounding contract (the compiled kernels must produce the same bits):
 * Elements are paired in memory order: ``in[i]`` and ``out[i]`` may differ in shape as long as their
   numels match, and any non-overlapping, dense layout (contiguous, channels_last, a transposed
   matrix...) is accepted, as the kernels see flat storage.
+* An output may share memory only with the inputs at its own index, and only exactly (in place,
+  ``scale(x, x)``); any other overlap is refused before anything is written, with amp_C's message.
 * The l2norm family sums squares in fp32 but in a different order than a chunked kernel, so their
   results agree with the kernels within a tolerance, not bitwise.
 
@@ -28,6 +30,8 @@ ever set it to 1, never clear it. ``multi_tensor_scale`` and ``multi_tensor_axpb
 checked *input* element is inf or NaN (an overflow created by the multiply is not detected); the norm
 ops set it when the fp32 sum of squares is not finite.
 """
+import collections
+import itertools
 import operator
 
 import torch
@@ -111,7 +115,7 @@ def _check_lists(op, tensor_lists, names):
 
 
 def _check_chunk_size(op, chunk_size):
-    """The checks amp_C's binding makes: ignored here, chunk_size must still be what amp_C accepts."""
+    """Refuse what amp_C refuses: a call must not work only because the extension is missing."""
     if isinstance(chunk_size, bool) or not hasattr(type(chunk_size), "__index__"):
         raise TypeError(f"chunk_size must be an int, got {type(chunk_size).__name__}")
     value = operator.index(chunk_size)
@@ -131,6 +135,10 @@ def _check_writable(op, t, name):
         )
 
 
+# A tensor's bytes, and where it sits in tensor_lists; sorts by address first.
+_Range = collections.namedtuple("_Range", ["begin", "end", "list", "index"])
+
+
 def _check_outputs(op, tensor_lists):
     """The output list is the last one; an output may share memory only with the inputs at its own
     index, and only exactly (in place, as Apex's ``scale(x, x)``): the compiled kernels write the
@@ -141,40 +149,35 @@ def _check_outputs(op, tensor_lists):
     for i, t in enumerate(tensor_lists[out_list]):
         _check_writable(op, t, f"tensor_lists[{out_list}][{i}]")
     ranges = sorted(
-        (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), k, i)
+        _Range(t.data_ptr(), t.data_ptr() + t.nbytes, k, i)
         for k, tensors in enumerate(tensor_lists)
         for i, t in enumerate(tensors)
-        if t.numel() > 0
+        if t.nbytes > 0
     )
 
     def refuse(a, b):
         raise ValueError(
-            f"{op}: tensor_lists[{a[2]}][{a[3]}] overlaps tensor_lists[{b[2]}][{b[3]}] in memory; "
-            "an output may share memory only with its own inputs at the same index (in place), "
-            "so pass separate tensors"
+            f"{op}: tensor_lists[{a.list}][{a.index}] overlaps tensor_lists[{b.list}][{b.index}] in "
+            "memory; an output may share memory only with its own inputs at the same index "
+            "(in place), so pass separate tensors"
         )
 
     widest = widest_out = None  # the earlier group reaching furthest; the same among outputs
-    g = 0
-    while g < len(ranges):
-        end = g
-        while end < len(ranges) and ranges[end][:2] == ranges[g][:2]:
-            end += 1
-        group = ranges[g:end]
-        out = next((r for r in group if r[2] == out_list), None)
+    for _, members in itertools.groupby(ranges, key=lambda r: (r.begin, r.end)):
+        group = list(members)
+        out = next((r for r in group if r.list == out_list), None)
         if out is not None:
             for r in group:
-                if r is not out and (r[2] == out_list or r[3] != out[3]):
+                if r is not out and (r.list == out_list or r.index != out.index):
                     refuse(r, out)
         representative = out if out is not None else group[0]
         earlier = widest if out is not None else widest_out
-        if earlier is not None and representative[0] < earlier[1]:
+        if earlier is not None and representative.begin < earlier.end:
             refuse(representative, earlier)
-        if widest is None or representative[1] > widest[1]:
+        if widest is None or representative.end > widest.end:
             widest = representative
-        if out is not None and (widest_out is None or representative[1] > widest_out[1]):
+        if out is not None and (widest_out is None or representative.end > widest_out.end):
             widest_out = representative
-        g = end
 
 
 def _check_flag(op, noop_flag, device):
@@ -314,18 +317,23 @@ def _norm_results(op, chunk_size, noop_flag, tensor_lists, inv_scale, per_tensor
 
 def multi_tensor_l2norm(chunk_size, noop_flag, tensor_lists, per_tensor=False):
     """L2 norm of all tensors of ``tensor_lists = [x]`` together, and of each one when ``per_tensor``."""
-    return _norm_results("multi_tensor_l2norm", chunk_size, noop_flag, tensor_lists, None, per_tensor, False)
+    return _norm_results(
+        "multi_tensor_l2norm", chunk_size, noop_flag, tensor_lists, None, per_tensor, False
+    )
 
 
 def multi_tensor_l2norm_mp(chunk_size, noop_flag, tensor_lists, per_tensor=False):
     """Like ``multi_tensor_l2norm``, but returns zeros when ``noop_flag`` was already set."""
-    return _norm_results("multi_tensor_l2norm_mp", chunk_size, noop_flag, tensor_lists, None, per_tensor, True)
+    return _norm_results(
+        "multi_tensor_l2norm_mp", chunk_size, noop_flag, tensor_lists, None, per_tensor, True
+    )
 
 
 def multi_tensor_unscale_l2norm(chunk_size, noop_flag, tensor_lists, inv_scale, per_tensor=False):
     """L2 norm of ``x * inv_scale`` without modifying x."""
     return _norm_results(
-        "multi_tensor_unscale_l2norm", chunk_size, noop_flag, tensor_lists, inv_scale, per_tensor, False
+        "multi_tensor_unscale_l2norm", chunk_size, noop_flag, tensor_lists, inv_scale, per_tensor,
+        False,
     )
 
 
@@ -356,7 +364,8 @@ def update_scale_hysteresis(current_scale, growth_tracker, hysteresis_tracker, f
     for name, value in (("growth_interval", growth_interval), ("hysteresis", hysteresis)):
         if not -(2**31) <= value < 2**31:
             raise ValueError(
-                f"update_scale_hysteresis: {name} must fit in int32 (the trackers' dtype), got {value}"
+                f"update_scale_hysteresis: {name} must fit in int32 (the trackers' dtype), "
+                f"got {value}"
             )
     for name, t in (("current_scale", current_scale), ("growth_tracker", growth_tracker),
                     ("hysteresis_tracker", hysteresis_tracker)):

@@ -51,11 +51,23 @@ void check_writable(const at::Tensor& t, const char* op, const std::string& name
               "torch.inference_mode(); pass a tensor created outside inference mode (or a clone)");
 }
 
-// Autograd must see what the kernels wrote, as it sees the fallback's in-place torch ops: a
-// tensor saved for backward and then overwritten makes backward() fail instead of using stale values.
+// Autograd must see what the kernels wrote, as it sees the fallback's in-place torch ops: a tensor
+// saved for backward and then overwritten makes backward() fail instead of using stale values.
 void bump_versions(const std::vector<at::Tensor>& tensors) {
   for (const at::Tensor& t : tensors) t.unsafeGetTensorImpl()->bump_version();
 }
+
+// A tensor's bytes, and where it sits in tensor_lists; ordered by address first.
+struct Range {
+  uintptr_t begin;
+  uintptr_t end;
+  size_t list;
+  size_t index;
+  bool operator<(const Range& o) const {
+    return std::tie(begin, end, list, index) < std::tie(o.begin, o.end, o.list, o.index);
+  }
+  bool same_bytes(const Range& o) const { return begin == o.begin && end == o.end; }
+};
 
 // The output list is the last one. Its tensors are written in parallel with the reads of all the
 // lists, so an output may share memory only with the inputs at its own index, and only exactly (in
@@ -66,44 +78,38 @@ void check_outputs(const char* op, const TensorListList& tensor_lists) {
   for (size_t i = 0; i < tensor_lists[out_list].size(); ++i) {
     check_writable(tensor_lists[out_list][i], op, where(out_list, i));
   }
-  using Range = std::tuple<uintptr_t, uintptr_t, size_t, size_t>;  // begin, end, list, index
   std::vector<Range> ranges;
   for (size_t k = 0; k < tensor_lists.size(); ++k) {
     for (size_t i = 0; i < tensor_lists[k].size(); ++i) {
       const at::Tensor& t = tensor_lists[k][i];
       if (t.numel() == 0) continue;
       const auto begin = reinterpret_cast<uintptr_t>(t.data_ptr());
-      ranges.emplace_back(begin, begin + t.nbytes(), k, i);
+      ranges.push_back({begin, begin + t.nbytes(), k, i});
     }
   }
   std::sort(ranges.begin(), ranges.end());
   const auto refuse = [&](const Range& a, const Range& b) {
-    TORCH_CHECK_VALUE(false, op, ": ", where(std::get<2>(a), std::get<3>(a)), " overlaps ",
-                      where(std::get<2>(b), std::get<3>(b)), " in memory; an output may share "
-                      "memory only with its own inputs at the same index (in place), so pass "
-                      "separate tensors");
+    TORCH_CHECK_VALUE(false, op, ": ", where(a.list, a.index), " overlaps ", where(b.list, b.index),
+                      " in memory; an output may share memory only with its own inputs at the "
+                      "same index (in place), so pass separate tensors");
   };
   const Range* widest = nullptr;      // the earlier group reaching furthest
   const Range* widest_out = nullptr;  // the same among groups holding an output
   for (size_t g = 0; g < ranges.size();) {
     size_t end = g;
     const Range* out = nullptr;
-    for (; end < ranges.size() && std::get<0>(ranges[end]) == std::get<0>(ranges[g]) &&
-           std::get<1>(ranges[end]) == std::get<1>(ranges[g]);
-         ++end) {
-      if (out == nullptr && std::get<2>(ranges[end]) == out_list) out = &ranges[end];
+    for (; end < ranges.size() && ranges[end].same_bytes(ranges[g]); ++end) {
+      if (out == nullptr && ranges[end].list == out_list) out = &ranges[end];
     }
     for (size_t m = g; out != nullptr && m < end; ++m) {
       const Range& r = ranges[m];
-      if (&r != out && (std::get<2>(r) == out_list || std::get<3>(r) != std::get<3>(*out))) {
-        refuse(r, *out);
-      }
+      if (&r != out && (r.list == out_list || r.index != out->index)) refuse(r, *out);
     }
     const Range& group = out != nullptr ? *out : ranges[g];
     const Range* earlier = out != nullptr ? widest : widest_out;
-    if (earlier != nullptr && std::get<0>(group) < std::get<1>(*earlier)) refuse(group, *earlier);
-    if (widest == nullptr || std::get<1>(group) > std::get<1>(*widest)) widest = &group;
-    if (out != nullptr && (widest_out == nullptr || std::get<1>(group) > std::get<1>(*widest_out))) {
+    if (earlier != nullptr && group.begin < earlier->end) refuse(group, *earlier);
+    if (widest == nullptr || group.end > widest->end) widest = &group;
+    if (out != nullptr && (widest_out == nullptr || group.end > widest_out->end)) {
       widest_out = &group;
     }
     g = end;

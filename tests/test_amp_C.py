@@ -461,6 +461,7 @@ def raised_by(fn):
     [
         pytest.param(lambda base: [[base[:8]], [base[2:]]], id="shifted-views"),
         pytest.param(lambda base: [[base[:5], base[5:]], [base[5:], torch.empty(5)]], id="other-index"),
+        pytest.param(lambda base: [[torch.ones(5), base[3:8]], [base[:5], torch.empty(5)]], id="input-after-output"),
         pytest.param(lambda base: [[torch.ones(5), torch.ones(5)], [base[:5], base[:5]]], id="two-outputs"),
         pytest.param(lambda base: [[base], [base.view(torch.float16)[:10]]], id="other-dtype"),
     ],

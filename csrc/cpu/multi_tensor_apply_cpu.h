@@ -124,7 +124,7 @@ template <> AMP_INLINE bf16_t from_float<bf16_t>(float x) {
   return bf16_t{x != x ? uint16_t{0x7fc0} : static_cast<uint16_t>(rounded)};  // c10's NaN
 }
 
-// out[0, n) = fp16(in[0, n)), rounded like from_float<half_t> but eight at a time (to_half_cpu.cpp).
+// out[0, n) = fp16(in[0, n)), rounded like from_float<half_t>, eight at a time (to_half_cpu.cpp).
 void to_half(half_t* out, const float* in, int64_t n);
 
 // Elements of the fp32 staging block of a loop that stores fp16: small enough to stay in L1.

@@ -4,7 +4,7 @@ These run wherever PyTorch runs and are the fallback that ``amp.multi_tensor_app
 ``amp_C`` extension is not built (or does not support the tensors' device). Each op is a handful of
 ``torch._foreach_*`` / ``torch._amp_foreach_non_finite_check_and_unscale_`` calls over the whole
 list, never a Python loop over elements. ``chunk_size`` is accepted for signature compatibility and
-ignored: there are no launches to chunk.
+otherwise ignored (there are no launches to chunk), but refused where ``amp_C`` refuses it.
 
 Rounding contract (the compiled kernels must produce the same bits):
 
@@ -20,6 +20,8 @@ Rounding contract (the compiled kernels must produce the same bits):
 * Elements are paired in memory order: ``in[i]`` and ``out[i]`` may differ in shape as long as their
   numels match, and any non-overlapping, dense layout (contiguous, channels_last, a transposed
   matrix...) is accepted, as the kernels see flat storage.
+* An output may share memory only with the inputs at its own index, and only exactly (in place,
+  ``scale(x, x)``); any other overlap is refused before anything is written, with amp_C's message.
 * The l2norm family sums squares in fp32 but in a different order than a chunked kernel, so their
   results agree with the kernels within a tolerance, not bitwise.
 
@@ -28,6 +30,10 @@ ever set it to 1, never clear it. ``multi_tensor_scale`` and ``multi_tensor_axpb
 checked *input* element is inf or NaN (an overflow created by the multiply is not detected); the norm
 ops set it when the fp32 sum of squares is not finite.
 """
+import collections
+import itertools
+import operator
+
 import torch
 
 __all__ = [
@@ -108,6 +114,72 @@ def _check_lists(op, tensor_lists, names):
     return device
 
 
+def _check_chunk_size(op, chunk_size):
+    """Refuse what amp_C refuses: a call must not work only because the extension is missing."""
+    if isinstance(chunk_size, bool) or not hasattr(type(chunk_size), "__index__"):
+        raise TypeError(f"chunk_size must be an int, got {type(chunk_size).__name__}")
+    value = operator.index(chunk_size)
+    if not -(2**63) <= value < 2**63:
+        raise ValueError(f"chunk_size must be a positive int below 2**63, got {value}")
+    if value <= 0:
+        raise ValueError(f"{op}: chunk_size must be positive, got {value}")
+
+
+def _check_writable(op, t, name):
+    # Checked before anything is written: torch refuses the in-place update of an inference tensor
+    # outside inference mode only after its kernel has run.
+    if t.is_inference() and not torch.is_inference_mode_enabled():
+        raise RuntimeError(
+            f"{op}: {name} is an inference tensor, which cannot be updated in place outside "
+            "torch.inference_mode(); pass a tensor created outside inference mode (or a clone)"
+        )
+
+
+# A tensor's bytes, and where it sits in tensor_lists; sorts by address first.
+_Range = collections.namedtuple("_Range", ["begin", "end", "list", "index"])
+
+
+def _check_outputs(op, tensor_lists):
+    """The output list is the last one; an output may share memory only with the inputs at its own
+    index, and only exactly (in place, as Apex's ``scale(x, x)``): the compiled kernels write the
+    outputs while they read all the lists. amp_C walks the byte ranges the same way, so both name
+    the same pair: ranges sorted, identical ranges grouped, each group checked against earlier ones.
+    """
+    out_list = len(tensor_lists) - 1
+    for i, t in enumerate(tensor_lists[out_list]):
+        _check_writable(op, t, f"tensor_lists[{out_list}][{i}]")
+    ranges = sorted(
+        _Range(t.data_ptr(), t.data_ptr() + t.nbytes, k, i)
+        for k, tensors in enumerate(tensor_lists)
+        for i, t in enumerate(tensors)
+        if t.nbytes > 0
+    )
+
+    def refuse(a, b):
+        raise ValueError(
+            f"{op}: tensor_lists[{a.list}][{a.index}] overlaps tensor_lists[{b.list}][{b.index}] in "
+            "memory; an output may share memory only with its own inputs at the same index "
+            "(in place), so pass separate tensors"
+        )
+
+    widest = widest_out = None  # the earlier group reaching furthest; the same among outputs
+    for _, members in itertools.groupby(ranges, key=lambda r: (r.begin, r.end)):
+        group = list(members)
+        out = next((r for r in group if r.list == out_list), None)
+        if out is not None:
+            for r in group:
+                if r is not out and (r.list == out_list or r.index != out.index):
+                    refuse(r, out)
+        representative = out if out is not None else group[0]
+        earlier = widest if out is not None else widest_out
+        if earlier is not None and representative.begin < earlier.end:
+            refuse(representative, earlier)
+        if widest is None or representative.end > widest.end:
+            widest = representative
+        if out is not None and (widest_out is None or representative.end > widest_out.end):
+            widest_out = representative
+
+
 def _check_flag(op, noop_flag, device):
     if not isinstance(noop_flag, torch.Tensor) or noop_flag.numel() != 1 or noop_flag.dtype not in (
         torch.int32,
@@ -119,6 +191,7 @@ def _check_flag(op, noop_flag, device):
             f"{op}: noop_flag is on {noop_flag.device} but the tensors are on {device}; "
             "create the flag on the tensors' device"
         )
+    _check_writable(op, noop_flag, "noop_flag")
 
 
 def _fp32_scalar(op, name, value, device):
@@ -160,10 +233,12 @@ def _scale_(fp32_tensors, scale, found):
 def multi_tensor_scale(chunk_size, noop_flag, tensor_lists, scale):
     """``out = float(in) * scale`` for ``tensor_lists = [in, out]``; flags non-finite inputs."""
     op = "multi_tensor_scale"
+    _check_chunk_size(op, chunk_size)
     device = _check_lists(op, tensor_lists, ("in", "out"))
     if device is None:
         return
     _check_flag(op, noop_flag, device)
+    _check_outputs(op, tensor_lists)
     scale = _fp32_scalar(op, "scale", scale, device)
     ins = [_flat(t) for t in tensor_lists[0]]
     outs = [_flat(t) for t in tensor_lists[1]]
@@ -187,10 +262,12 @@ def multi_tensor_axpby(chunk_size, noop_flag, tensor_lists, a, b, arg_to_check):
     else checks nothing.
     """
     op = "multi_tensor_axpby"
+    _check_chunk_size(op, chunk_size)
     device = _check_lists(op, tensor_lists, ("x", "y", "out"))
     if device is None:
         return
     _check_flag(op, noop_flag, device)
+    _check_outputs(op, tensor_lists)
     a = _fp32_scalar(op, "a", a, device)
     b = _fp32_scalar(op, "b", b, device)
     xs, ys, outs = ([_flat(t) for t in tensors] for tensors in tensor_lists)
@@ -212,8 +289,9 @@ def multi_tensor_axpby(chunk_size, noop_flag, tensor_lists, a, b, arg_to_check):
     _merge_flag(noop_flag, found)
 
 
-def _norm_results(op, noop_flag, tensor_lists, inv_scale, per_tensor, skip_if_flagged):
+def _norm_results(op, chunk_size, noop_flag, tensor_lists, inv_scale, per_tensor, skip_if_flagged):
     """Shared body of the l2norm ops: (total [1], per-tensor [n] or [0]), both fp32."""
+    _check_chunk_size(op, chunk_size)
     device = _check_lists(op, tensor_lists, ("x",))
     if device is None:
         empty = torch.zeros(0, dtype=torch.float32, device=noop_flag.device)
@@ -239,18 +317,23 @@ def _norm_results(op, noop_flag, tensor_lists, inv_scale, per_tensor, skip_if_fl
 
 def multi_tensor_l2norm(chunk_size, noop_flag, tensor_lists, per_tensor=False):
     """L2 norm of all tensors of ``tensor_lists = [x]`` together, and of each one when ``per_tensor``."""
-    return _norm_results("multi_tensor_l2norm", noop_flag, tensor_lists, None, per_tensor, False)
+    return _norm_results(
+        "multi_tensor_l2norm", chunk_size, noop_flag, tensor_lists, None, per_tensor, False
+    )
 
 
 def multi_tensor_l2norm_mp(chunk_size, noop_flag, tensor_lists, per_tensor=False):
     """Like ``multi_tensor_l2norm``, but returns zeros when ``noop_flag`` was already set."""
-    return _norm_results("multi_tensor_l2norm_mp", noop_flag, tensor_lists, None, per_tensor, True)
+    return _norm_results(
+        "multi_tensor_l2norm_mp", chunk_size, noop_flag, tensor_lists, None, per_tensor, True
+    )
 
 
 def multi_tensor_unscale_l2norm(chunk_size, noop_flag, tensor_lists, inv_scale, per_tensor=False):
     """L2 norm of ``x * inv_scale`` without modifying x."""
     return _norm_results(
-        "multi_tensor_unscale_l2norm", noop_flag, tensor_lists, inv_scale, per_tensor, False
+        "multi_tensor_unscale_l2norm", chunk_size, noop_flag, tensor_lists, inv_scale, per_tensor,
+        False,
     )
 
 
@@ -278,6 +361,15 @@ def update_scale_hysteresis(current_scale, growth_tracker, hysteresis_tracker, f
     _check_state_tensor("growth_tracker", growth_tracker, torch.int32, device)
     _check_state_tensor("hysteresis_tracker", hysteresis_tracker, torch.int32, device)
     _check_state_tensor("found_inf", found_inf, torch.float32, device)
+    for name, value in (("growth_interval", growth_interval), ("hysteresis", hysteresis)):
+        if not -(2**31) <= value < 2**31:
+            raise ValueError(
+                f"update_scale_hysteresis: {name} must fit in int32 (the trackers' dtype), "
+                f"got {value}"
+            )
+    for name, t in (("current_scale", current_scale), ("growth_tracker", growth_tracker),
+                    ("hysteresis_tracker", hysteresis_tracker)):
+        _check_writable("update_scale_hysteresis", t, name)
     with torch.no_grad():
         scale = current_scale.reshape(())
         growth = growth_tracker.reshape(())

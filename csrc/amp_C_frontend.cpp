@@ -2,25 +2,75 @@
 #include <pybind11/stl.h>
 #include <torch/extension.h>
 
+#include <string>
+
 #include "amp_C_ops.h"
+
+namespace amp_C {
+
+// chunk_size as the Python caller gave it. pybind11's int64 conversion accepts a bool (an int
+// subclass) as 1 and reports an int beyond int64 as a signature mismatch; this refuses both with an
+// error that names the argument, as the pure-torch fallback does. The ops check the sign.
+struct ChunkSize {
+  int64_t value;
+};
+
+}  // namespace amp_C
+
+namespace pybind11::detail {
+
+template <>
+struct type_caster<amp_C::ChunkSize> {
+  PYBIND11_TYPE_CASTER(amp_C::ChunkSize, const_name("int"));
+
+  bool load(handle src, bool /*convert*/) {
+    if (PyBool_Check(src.ptr()) || !PyIndex_Check(src.ptr())) {
+      throw type_error(std::string("chunk_size must be an int, got ") +
+                       Py_TYPE(src.ptr())->tp_name);
+    }
+    const object index = reinterpret_steal<object>(PyNumber_Index(src.ptr()));
+    if (!index) throw error_already_set();
+    int overflow = 0;
+    value.value = PyLong_AsLongLongAndOverflow(index.ptr(), &overflow);
+    if (overflow != 0) {
+      throw value_error("chunk_size must be a positive int below 2**63, got " +
+                        std::string(str(index)));
+    }
+    return true;
+  }
+};
+
+}  // namespace pybind11::detail
+
+namespace {
+
+// Binds `op` with its leading int64 chunk_size taken as a ChunkSize.
+template <typename R, typename... Rest>
+auto with_chunk_size(R (*op)(int64_t, Rest...)) {
+  return [op](amp_C::ChunkSize chunk_size, Rest... rest) { return op(chunk_size.value, rest...); };
+}
+
+}  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Fused multi-tensor kernels for amp (CPU, and CUDA when built with AMP_CUDA_EXT=1)";
   using release = py::call_guard<py::gil_scoped_release>;
-  m.def("multi_tensor_scale", &amp_C::multi_tensor_scale,
-        "out = in * scale over [in, out] lists; flags non-finite input", release());
-  m.def("multi_tensor_axpby", &amp_C::multi_tensor_axpby,
+  m.def("multi_tensor_scale", with_chunk_size(&amp_C::multi_tensor_scale),
+        "out = in * scale over [in, out] lists; flags non-finite input", py::arg("chunk_size"),
+        py::arg("noop_flag"), py::arg("tensor_lists"), py::arg("scale"), release());
+  m.def("multi_tensor_axpby", with_chunk_size(&amp_C::multi_tensor_axpby),
         "out = a * x + b * y over [x, y, out] lists; flags non-finite x (0), y (1) or both (-1)",
-        release());
-  m.def("multi_tensor_l2norm", &amp_C::multi_tensor_l2norm,
+        py::arg("chunk_size"), py::arg("noop_flag"), py::arg("tensor_lists"), py::arg("a"),
+        py::arg("b"), py::arg("arg_to_check"), release());
+  m.def("multi_tensor_l2norm", with_chunk_size(&amp_C::multi_tensor_l2norm),
         "(total L2 norm [1], per-tensor norms [n] or [0])", py::arg("chunk_size"),
         py::arg("noop_flag"), py::arg("tensor_lists"), py::arg("per_tensor") = py::none(),
         release());
-  m.def("multi_tensor_l2norm_mp", &amp_C::multi_tensor_l2norm_mp,
+  m.def("multi_tensor_l2norm_mp", with_chunk_size(&amp_C::multi_tensor_l2norm_mp),
         "multi_tensor_l2norm that does nothing (returns zeros) when noop_flag is already set",
         py::arg("chunk_size"), py::arg("noop_flag"), py::arg("tensor_lists"),
         py::arg("per_tensor") = py::none(), release());
-  m.def("multi_tensor_unscale_l2norm", &amp_C::multi_tensor_unscale_l2norm,
+  m.def("multi_tensor_unscale_l2norm", with_chunk_size(&amp_C::multi_tensor_unscale_l2norm),
         "L2 norms of the values times inv_scale (the tensors are not modified)",
         py::arg("chunk_size"), py::arg("noop_flag"), py::arg("tensor_lists"),
         py::arg("inv_scale"), py::arg("per_tensor") = py::none(), release());

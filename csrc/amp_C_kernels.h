@@ -46,12 +46,6 @@ struct NormOutputs {
   float* tensor_sums;   // [ntensors], scratch
 };
 
-// Chunks of `chunk_size` elements that `lists` splits into: the l2norm scratch size.
-inline int64_t num_chunks(const TensorLists& lists, int64_t chunk_size) {
-  int64_t chunks = 0;
-  for (int64_t n : lists.numel) chunks += (n + chunk_size - 1) / chunk_size;
-  return chunks;
-}
 
 // CPU twins (csrc/cpu/*.cpp), parallel over tensors and elements.
 void multi_tensor_scale_cpu(int64_t chunk_size, Flag flag, const TensorLists& lists, Scalar scale);

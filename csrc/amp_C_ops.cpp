@@ -8,10 +8,15 @@
 #include "amp_C_ops.h"
 
 #include <c10/core/DeviceGuard.h>
+#include <c10/core/InferenceMode.h>
 
+#include <algorithm>
+#include <cstdint>
+#include <limits>
 #include <string>
+#include <tuple>
 
-#include "amp_C_kernels.h"
+#include "amp_C_host_device.h"
 
 #if defined(AMP_WITH_CUDA_KERNELS) && defined(AMP_WITH_TORCH_CUDA)
 #include <c10/cuda/CUDAStream.h>
@@ -36,6 +41,79 @@ DType float_dtype(const at::Tensor& t, const char* op, const std::string& what) 
 
 std::string where(size_t list, size_t index) {
   return "tensor_lists[" + std::to_string(list) + "][" + std::to_string(index) + "]";
+}
+
+// Checked before anything is written: autograd refuses the version bump of an inference tensor
+// outside inference mode, and by then the kernel would already have run.
+void check_writable(const at::Tensor& t, const char* op, const std::string& name) {
+  TORCH_CHECK(!t.is_inference() || c10::InferenceMode::is_enabled(), op, ": ", name,
+              " is an inference tensor, which cannot be updated in place outside "
+              "torch.inference_mode(); pass a tensor created outside inference mode (or a clone)");
+}
+
+// Autograd must see what the kernels wrote, as it sees the fallback's in-place torch ops: a tensor
+// saved for backward and then overwritten makes backward() fail instead of using stale values.
+void bump_versions(const std::vector<at::Tensor>& tensors) {
+  for (const at::Tensor& t : tensors) t.unsafeGetTensorImpl()->bump_version();
+}
+
+// A tensor's bytes, and where it sits in tensor_lists; ordered by address first.
+struct Range {
+  uintptr_t begin;
+  uintptr_t end;
+  size_t list;
+  size_t index;
+  bool operator<(const Range& o) const {
+    return std::tie(begin, end, list, index) < std::tie(o.begin, o.end, o.list, o.index);
+  }
+  bool same_bytes(const Range& o) const { return begin == o.begin && end == o.end; }
+};
+
+// The output list is the last one. Its tensors are written in parallel with the reads of all the
+// lists, so an output may share memory only with the inputs at its own index, and only exactly (in
+// place, as Apex's scale(x, x)). The same walk as the fallback's, so the same pair is named: byte
+// ranges sorted, identical ranges grouped, then each group checked against the earlier ones.
+void check_outputs(const char* op, const TensorListList& tensor_lists) {
+  const size_t out_list = tensor_lists.size() - 1;
+  for (size_t i = 0; i < tensor_lists[out_list].size(); ++i) {
+    check_writable(tensor_lists[out_list][i], op, where(out_list, i));
+  }
+  std::vector<Range> ranges;
+  for (size_t k = 0; k < tensor_lists.size(); ++k) {
+    for (size_t i = 0; i < tensor_lists[k].size(); ++i) {
+      const at::Tensor& t = tensor_lists[k][i];
+      if (t.numel() == 0) continue;
+      const auto begin = reinterpret_cast<uintptr_t>(t.data_ptr());
+      ranges.push_back({begin, begin + t.nbytes(), k, i});
+    }
+  }
+  std::sort(ranges.begin(), ranges.end());
+  const auto refuse = [&](const Range& a, const Range& b) {
+    TORCH_CHECK_VALUE(false, op, ": ", where(a.list, a.index), " overlaps ", where(b.list, b.index),
+                      " in memory; an output may share memory only with its own inputs at the "
+                      "same index (in place), so pass separate tensors");
+  };
+  const Range* widest = nullptr;      // the earlier group reaching furthest
+  const Range* widest_out = nullptr;  // the same among groups holding an output
+  for (size_t g = 0; g < ranges.size();) {
+    size_t end = g;
+    const Range* out = nullptr;
+    for (; end < ranges.size() && ranges[end].same_bytes(ranges[g]); ++end) {
+      if (out == nullptr && ranges[end].list == out_list) out = &ranges[end];
+    }
+    for (size_t m = g; out != nullptr && m < end; ++m) {
+      const Range& r = ranges[m];
+      if (&r != out && (r.list == out_list || r.index != out->index)) refuse(r, *out);
+    }
+    const Range& group = out != nullptr ? *out : ranges[g];
+    const Range* earlier = out != nullptr ? widest : widest_out;
+    if (earlier != nullptr && group.begin < earlier->end) refuse(group, *earlier);
+    if (widest == nullptr || group.end > widest->end) widest = &group;
+    if (out != nullptr && (widest_out == nullptr || group.end > widest_out->end)) {
+      widest_out = &group;
+    }
+    g = end;
+  }
 }
 
 // Checks `tensor_lists` and returns its raw view. Zero tensors give an empty view (a no-op).
@@ -63,6 +141,7 @@ TensorLists view_lists(const char* op, int64_t chunk_size, const at::Tensor& noo
   TORCH_CHECK_VALUE(noop_flag.device() == first.device(), op, ": noop_flag is on ", noop_flag.device(),
               " but the tensors are on ", first.device(), "; create the flag on their device");
   TORCH_CHECK_VALUE(noop_flag.is_contiguous(), op, ": noop_flag must be contiguous");
+  check_writable(noop_flag, op, "noop_flag");
   lists.numel.resize(n);
   for (size_t k = 0; k < depth; ++k) {
     lists.dtype[k] = float_dtype(tensor_lists[k][0], op, where(k, 0));
@@ -153,7 +232,9 @@ std::tuple<at::Tensor, at::Tensor> l2norm(const char* op, int64_t chunk_size,
   at::Tensor per_tensor_norms = at::zeros({per_tensor ? ntensors : 0}, options);
   if (ntensors == 0) return {total, per_tensor_norms};
   const at::Device device = noop_flag.device();
-  at::Tensor scratch = at::zeros({num_chunks(lists, chunk_size) + ntensors}, options);
+  int64_t chunks = 0;
+  for (int64_t numel : lists.numel) chunks += chunks_of(numel, chunk_size);
+  at::Tensor scratch = at::zeros({chunks + ntensors}, options);
   const NormOutputs out{total.data_ptr<float>(),
                         per_tensor ? per_tensor_norms.data_ptr<float>() : nullptr,
                         scratch.data_ptr<float>(),
@@ -167,6 +248,7 @@ std::tuple<at::Tensor, at::Tensor> l2norm(const char* op, int64_t chunk_size,
         multi_tensor_l2norm_cuda(chunk_size, flag, lists, s, respect_flag, out, stream);
 #endif
       });
+  bump_versions({noop_flag});
   return {total, per_tensor_norms};
 }
 
@@ -177,6 +259,7 @@ void multi_tensor_scale(int64_t chunk_size, const at::Tensor& noop_flag,
   const char* op = "multi_tensor_scale";
   const TensorLists lists = view_lists(op, chunk_size, noop_flag, tensor_lists, 2, "[in, out]");
   if (lists.numel.empty()) return;
+  check_outputs(op, tensor_lists);
   const Scalar s = scalar_of(scale, noop_flag.device(), op, "scale");
   const Flag flag = flag_of(noop_flag);
   on_device(
@@ -186,6 +269,8 @@ void multi_tensor_scale(int64_t chunk_size, const at::Tensor& noop_flag,
         multi_tensor_scale_cuda(chunk_size, flag, lists, s, stream);
 #endif
       });
+  bump_versions(tensor_lists[1]);
+  bump_versions({noop_flag});
 }
 
 void multi_tensor_axpby(int64_t chunk_size, const at::Tensor& noop_flag,
@@ -194,10 +279,12 @@ void multi_tensor_axpby(int64_t chunk_size, const at::Tensor& noop_flag,
   const char* op = "multi_tensor_axpby";
   const TensorLists lists = view_lists(op, chunk_size, noop_flag, tensor_lists, 3, "[x, y, out]");
   if (lists.numel.empty()) return;
+  check_outputs(op, tensor_lists);
   const Scalar sa = scalar_of(a, noop_flag.device(), op, "a");
   const Scalar sb = scalar_of(b, noop_flag.device(), op, "b");
   const Flag flag = flag_of(noop_flag);
-  const int check = static_cast<int>(arg_to_check);
+  // -1, 0 and 1 select the checked inputs; any other value, however large, checks nothing.
+  const int check = arg_to_check >= -1 && arg_to_check <= 1 ? static_cast<int>(arg_to_check) : 2;
   on_device(
       noop_flag.device(), op, [&] { multi_tensor_axpby_cpu(chunk_size, flag, lists, sa, sb, check); },
       [&](void* stream) {
@@ -205,6 +292,8 @@ void multi_tensor_axpby(int64_t chunk_size, const at::Tensor& noop_flag,
         multi_tensor_axpby_cuda(chunk_size, flag, lists, sa, sb, check, stream);
 #endif
       });
+  bump_versions(tensor_lists[2]);
+  bump_versions({noop_flag});
 }
 
 std::tuple<at::Tensor, at::Tensor> multi_tensor_l2norm(int64_t chunk_size,
@@ -243,10 +332,20 @@ at::Tensor update_scale_hysteresis(const at::Tensor& current_scale,
     TORCH_CHECK_VALUE(t.device() == current_scale.device(), op, ": ", name, " is on ", t.device(),
                 " but current_scale is on ", current_scale.device());
   };
+  const auto check_int32 = [&](int64_t value, const char* name) {
+    TORCH_CHECK_VALUE(value >= std::numeric_limits<int32_t>::min() &&
+                          value <= std::numeric_limits<int32_t>::max(),
+                      op, ": ", name, " must fit in int32 (the trackers' dtype), got ", value);
+  };
   check(current_scale, at::kFloat, "current_scale");
   check(growth_tracker, at::kInt, "growth_tracker");
   check(hysteresis_tracker, at::kInt, "hysteresis_tracker");
   check(found_inf, at::kFloat, "found_inf");
+  check_int32(growth_interval, "growth_interval");
+  check_int32(hysteresis, "hysteresis");
+  check_writable(current_scale, op, "current_scale");
+  check_writable(growth_tracker, op, "growth_tracker");
+  check_writable(hysteresis_tracker, op, "hysteresis_tracker");
   float* scale = current_scale.data_ptr<float>();
   int32_t* growth = growth_tracker.data_ptr<int32_t>();
   int32_t* hyst = hysteresis_tracker.data_ptr<int32_t>();
@@ -263,6 +362,7 @@ at::Tensor update_scale_hysteresis(const at::Tensor& current_scale,
         update_scale_hysteresis_cuda(scale, growth, hyst, inf, gf, bf, gi, h, stream);
 #endif
       });
+  bump_versions({current_scale, growth_tracker, hysteresis_tracker});
   return current_scale;
 }
 

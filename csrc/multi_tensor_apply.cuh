@@ -17,7 +17,7 @@
 #include <string>
 #include <type_traits>
 
-#include "amp_C_kernels.h"
+#include "amp_C_host_device.h"
 
 namespace amp_C {
 
@@ -96,7 +96,7 @@ void multi_tensor_apply(int64_t chunk_size, const TensorLists& lists, void* stre
     meta.sizes[slots] = n;
     meta.chunk_base[slots] = static_cast<int32_t>(chunk_base);
     ++slots;
-    const int64_t chunks = (n + chunk_size - 1) / chunk_size;
+    const int64_t chunks = chunks_of(n, chunk_size);
     chunk_base += chunks;
     for (int64_t c = 0; c < chunks; ++c) {
       meta.block_to_tensor[blocks] = static_cast<uint8_t>(slots - 1);
@@ -199,22 +199,6 @@ __device__ __forceinline__ void for_each_step(int64_t n, bool aligned, Step&& st
   for (int64_t i = i0 + threadIdx.x; i < n; i += blockDim.x) {
     step(std::integral_constant<int, 1>{}, i);
   }
-}
-
-__device__ __forceinline__ float read_scalar(Scalar s) { return s.ptr ? *s.ptr : s.value; }
-
-__device__ __forceinline__ void raise_flag(Flag flag) {
-  // A blind store of 1 from any thread that saw a non-finite value: the flag is only ever set.
-  if (flag.dtype == DType::Int32) {
-    *static_cast<int32_t*>(flag.ptr) = 1;
-  } else {
-    *static_cast<float*>(flag.ptr) = 1.f;
-  }
-}
-
-__device__ __forceinline__ bool flag_is_set(Flag flag) {
-  return flag.dtype == DType::Int32 ? *static_cast<volatile int32_t*>(flag.ptr) != 0
-                                    : *static_cast<volatile float*>(flag.ptr) != 0.f;
 }
 
 // Sum of `val` over the block, valid in thread 0. Deterministic: a fixed shuffle tree per warp,

@@ -28,7 +28,7 @@ struct AxpbyFunctor {
       load<W>(yv, y + i);
 #pragma unroll
       for (int k = 0; k < W; ++k) {
-        non_finite |= (check_x && !isfinite(xv[k])) || (check_y && !isfinite(yv[k]));
+        non_finite |= (check_x && !is_finite(xv[k])) || (check_y && !is_finite(yv[k]));
         xv[k] = __fadd_rn(__fmul_rn(a, xv[k]), __fmul_rn(b, yv[k]));
       }
       store<W>(out + i, xv);

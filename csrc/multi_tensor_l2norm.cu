@@ -62,7 +62,7 @@ __global__ void __launch_bounds__(kBlockSize)
   const float total = block_sum(acc);
   if (threadIdx.x == 0) {
     *out.total = sqrtf(total);
-    if (!isfinite(*out.total)) raise_flag(flag);
+    if (!is_finite(*out.total)) raise_flag(flag);
   }
 }
 
@@ -81,7 +81,7 @@ void multi_tensor_l2norm_cuda(int64_t chunk_size, Flag flag, const TensorLists& 
   int64_t first_chunk = 0;
   const int64_t ntensors = static_cast<int64_t>(lists.numel.size());
   for (int64_t t = 0; t < ntensors; ++t) {
-    const int64_t chunks = (lists.numel[t] + chunk_size - 1) / chunk_size;
+    const int64_t chunks = chunks_of(lists.numel[t], chunk_size);
     if (chunks > 0) {
       batch.tensor[queued] = static_cast<int32_t>(t);
       batch.first_chunk[queued] = static_cast<int32_t>(first_chunk);

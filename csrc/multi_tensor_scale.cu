@@ -19,7 +19,7 @@ struct ScaleFunctor {
       load<W>(x, in + i);
 #pragma unroll
       for (int k = 0; k < W; ++k) {
-        non_finite |= !isfinite(x[k]);
+        non_finite |= !is_finite(x[k]);
         x[k] = __fmul_rn(x[k], scale);
       }
       store<W>(out + i, x);

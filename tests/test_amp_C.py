@@ -160,6 +160,57 @@ def test_scale_with_no_tensors_is_a_no_op(device):
     assert flag.item() == 0
 
 
+def rounding_cases(out_dtype):
+    """fp32 values at the edges of rounding to `out_dtype`: exact ties between neighbours (normal and
+    subnormal), one ulp either side of them, overflow to inf, subnormal results, -0, inf and NaN."""
+    info = torch.finfo(out_dtype)
+    # Every 97th representable non-negative value of out_dtype, and the midpoints to its successor.
+    max_bits = int(torch.tensor(info.max, dtype=out_dtype).view(torch.int16))
+    bits = torch.arange(0, max_bits, 97)
+    lower = bits.to(torch.int16).view(out_dtype).double()
+    upper = (bits + 1).to(torch.int16).view(out_dtype).double()
+    ties = ((lower + upper) / 2).float()
+    near = torch.cat([ties, ties.nextafter(torch.tensor(0.0)), ties.nextafter(torch.tensor(float("inf")))])
+    top = info.max
+    below_top = torch.tensor(max_bits - 1, dtype=torch.int16).view(out_dtype).item()
+    overflow_tie = top + (top - below_top) / 2  # rounds to inf: the largest finite value is odd
+    edges = torch.tensor([0.0, -0.0, float("inf"), float("nan"), info.tiny, info.tiny / 2,
+                          info.smallest_normal * info.eps, info.smallest_normal * info.eps / 2,
+                          top, overflow_tie, overflow_tie * (1 - 2.0**-23), 1e30, 2.0**-149],
+                         dtype=torch.float32)
+    values = torch.cat([near, edges])
+    return torch.cat([values, -values])
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("scale", [1.0, 0.5])
+@pytest.mark.parametrize("length", [None, 5, CHUNK + 13])
+def test_scale_rounds_ties_subnormals_overflow_and_nan_like_the_fallback(device, out_dtype, scale, length):
+    values = rounding_cases(out_dtype)
+    values = values if length is None else values[:length]
+    xs = [values.to(device)]
+    ours = [torch.empty(values.shape, dtype=out_dtype, device=device)]
+    theirs = [torch.empty(values.shape, dtype=out_dtype, device=device)]
+    flag, ref_flag = flags(device)
+    amp_C.multi_tensor_scale(CHUNK, flag, [xs, ours], scale)
+    _torch_ops.multi_tensor_scale(CHUNK, ref_flag, [xs, theirs], scale)
+    assert same_bits(ours[0], theirs[0])
+    assert same_bits(ours[0], (values * scale).to(out_dtype).to(device))
+    assert flag.item() == ref_flag.item()
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.bfloat16])
+def test_axpby_rounds_ties_subnormals_overflow_and_nan_like_the_fallback(device, out_dtype):
+    xs = [rounding_cases(out_dtype).to(device)]
+    ys = [torch.full_like(xs[0], -0.0)]  # a*x + (-0) keeps every value of a*x, -0 included
+    ours, theirs = [torch.empty_like(xs[0], dtype=out_dtype)], [torch.empty_like(xs[0], dtype=out_dtype)]
+    flag, ref_flag = flags(device)
+    amp_C.multi_tensor_axpby(CHUNK, flag, [xs, ys, ours], 1.0, 1.0, -1)
+    _torch_ops.multi_tensor_axpby(CHUNK, ref_flag, [xs, ys, theirs], 1.0, 1.0, -1)
+    assert same_bits(ours[0], theirs[0]) and same_bits(ours[0], xs[0].to(out_dtype))
+    assert flag.item() == ref_flag.item()
+
+
 # ---- multi_tensor_axpby --------------------------------------------------------------------------
 
 
@@ -345,6 +396,150 @@ def test_cuda_availability_matches_the_build():
     assert isinstance(amp_C.cuda_available(), bool)
     if not torch.cuda.is_available():
         assert amp_C.cuda_available() is False
+
+
+# ---- the same contract as the fallback -----------------------------------------------------------
+
+BOTH = {"amp_C": amp_C, "fallback": _torch_ops}
+
+
+def test_writes_bump_the_version_counter_of_every_written_tensor(device):
+    def versions(tensors):
+        return [t._version for t in tensors]
+
+    xs, outs = [torch.ones(5, device=device)], [torch.zeros(5, device=device)]
+    flag, _ = flags(device)
+    before = versions(outs + [flag])
+    amp_C.multi_tensor_scale(CHUNK, flag, [xs, outs], 2.0)
+    assert all(a > b for a, b in zip(versions(outs + [flag]), before))
+
+    before = versions(outs + [flag])
+    amp_C.multi_tensor_axpby(CHUNK, flag, [xs, xs, outs], 2.0, 1.0, -1)
+    assert all(a > b for a, b in zip(versions(outs + [flag]), before))
+
+    before = versions([flag])
+    amp_C.multi_tensor_l2norm(CHUNK, flag, [xs])
+    assert versions([flag])[0] > before[0]
+
+    state = (torch.ones(1, device=device), torch.zeros(1, dtype=torch.int32, device=device),
+             torch.ones(1, dtype=torch.int32, device=device))
+    before = versions(state)
+    amp_C.update_scale_hysteresis(*state, torch.zeros(1, device=device), 2.0, 0.5, 10, 1)
+    assert all(a > b for a, b in zip(versions(state), before))
+
+
+def test_autograd_sees_a_tensor_overwritten_by_a_kernel():
+    x = torch.randn(6, requires_grad=True)
+    y = x * 1.0
+    z = y.sin()  # saves y for the backward pass
+    amp_C.multi_tensor_scale(CHUNK, torch.zeros(1, dtype=torch.int32), [[torch.ones(6)], [y]], 1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        z.sum().backward()
+
+
+@pytest.mark.parametrize("chunk_size", [2**31 - 1, 2**31, 2**62, 2**63 - 1])
+def test_huge_chunk_sizes_give_the_fallbacks_results(chunk_size):
+    gen = torch.Generator().manual_seed(16)
+    xs = make([1000, 0, 3], torch.float32, "cpu", gen)
+    total, norms = amp_C.multi_tensor_l2norm(chunk_size, torch.zeros(1, dtype=torch.int32), [xs], True)
+    ref_total, ref_norms = _torch_ops.multi_tensor_l2norm(chunk_size, torch.zeros(1, dtype=torch.int32), [xs], True)
+    torch.testing.assert_close(total, ref_total, rtol=1e-5, atol=0)
+    torch.testing.assert_close(norms, ref_norms, rtol=1e-5, atol=0)
+    ours = [torch.zeros_like(x, dtype=torch.float16) for x in xs]
+    amp_C.multi_tensor_scale(chunk_size, torch.zeros(1, dtype=torch.int32), [xs, ours], 1.0)
+    assert all(same_bits(o, x.half()) for o, x in zip(ours, xs))
+
+
+def raised_by(fn):
+    with pytest.raises(Exception) as info:
+        fn()
+    return type(info.value), str(info.value)
+
+
+@pytest.mark.parametrize(
+    "make_lists",
+    [
+        pytest.param(lambda base: [[base[:8]], [base[2:]]], id="shifted-views"),
+        pytest.param(lambda base: [[base[:5], base[5:]], [base[5:], torch.empty(5)]], id="other-index"),
+        pytest.param(lambda base: [[torch.ones(5), base[3:8]], [base[:5], torch.empty(5)]], id="input-after-output"),
+        pytest.param(lambda base: [[torch.ones(5), torch.ones(5)], [base[:5], base[:5]]], id="two-outputs"),
+        pytest.param(lambda base: [[base], [base.view(torch.float16)[:10]]], id="other-dtype"),
+    ],
+)
+def test_scale_refuses_partially_overlapping_tensors_in_both_paths(make_lists):
+    results = {}
+    for name, ops in BOTH.items():
+        base = torch.arange(10.0)
+        results[name] = raised_by(lambda: ops.multi_tensor_scale(CHUNK, torch.zeros(1, dtype=torch.int32), make_lists(base), 2.0))
+        assert torch.equal(base, torch.arange(10.0)), f"{name} wrote before refusing"
+    assert results["amp_C"][0] is ValueError and "overlaps" in results["amp_C"][1]
+    assert results["amp_C"] == results["fallback"]
+
+
+def test_axpby_refuses_an_output_overlapping_an_input_of_another_index_in_both_paths():
+    results = {}
+    for name, ops in BOTH.items():
+        base = torch.arange(10.0)
+        xs, ys, outs = [base[:5], base[5:]], [torch.ones(5), torch.ones(5)], [base[:5], base[5:]]
+        ys[1] = base[:5]  # y[1] is read while out[0] is written
+        results[name] = raised_by(lambda: ops.multi_tensor_axpby(CHUNK, torch.zeros(1, dtype=torch.int32), [xs, ys, outs], 1.0, 1.0, -1))
+    assert results["amp_C"][0] is ValueError
+    assert results["amp_C"] == results["fallback"]
+
+
+@pytest.mark.parametrize("alias", ["x", "y", "both"])
+def test_axpby_in_place_over_its_own_inputs_is_allowed(alias):
+    x, y = torch.arange(6.0), torch.full((6,), 2.0)
+    xs, ys = [x], ([x] if alias == "both" else [y])
+    outs = ys if alias == "y" else xs
+    expected = (2.0 * xs[0] + 3.0 * ys[0]).clone()
+    amp_C.multi_tensor_axpby(CHUNK, torch.zeros(1, dtype=torch.int32), [xs, ys, outs], 2.0, 3.0, -1)
+    assert torch.equal(outs[0], expected)
+
+
+@pytest.mark.parametrize(
+    "chunk_size,error",
+    [(True, TypeError), (False, TypeError), (2.0, TypeError), (0, ValueError), (-1, ValueError),
+     (2**63, ValueError), (-(2**64), ValueError)],
+)
+def test_a_bad_chunk_size_is_refused_alike_in_both_paths(chunk_size, error):
+    for name, ops in BOTH.items():
+        for call in (
+            lambda: ops.multi_tensor_scale(chunk_size, torch.zeros(1, dtype=torch.int32), [[torch.ones(3)], [torch.empty(3)]], 1.0),
+            lambda: ops.multi_tensor_l2norm(chunk_size, torch.zeros(1, dtype=torch.int32), [[torch.ones(3)]]),
+        ):
+            kind, message = raised_by(call)
+            assert kind is error and "chunk_size" in message, name
+
+
+@pytest.mark.parametrize("argument", ["growth_interval", "hysteresis"])
+@pytest.mark.parametrize("value", [2**31, -(2**31) - 1, 2**32 + 1])
+def test_hysteresis_counts_beyond_int32_are_refused_alike_in_both_paths(argument, value):
+    for name, ops in BOTH.items():
+        state = (torch.ones(1), torch.zeros(1, dtype=torch.int32), torch.ones(1, dtype=torch.int32))
+        counts = {"growth_interval": 1, "hysteresis": 1, argument: value}
+        kind, message = raised_by(lambda: ops.update_scale_hysteresis(
+            *state, torch.zeros(1), 2.0, 0.5, counts["growth_interval"], counts["hysteresis"]))
+        assert kind is ValueError and argument in message, name
+        assert state[0].item() == 1.0 and state[1].item() == 0 and state[2].item() == 1, name
+
+
+def test_arg_to_check_beyond_int32_checks_nothing_like_the_fallback():
+    xs, ys = [torch.tensor([float("inf"), 1.0])], [torch.ones(2)]
+    for name, ops in BOTH.items():
+        flag = torch.zeros(1, dtype=torch.int32)
+        ops.multi_tensor_axpby(CHUNK, flag, [xs, ys, [torch.empty(2)]], 1.0, 1.0, 2**32)
+        assert flag.item() == 0, name
+
+
+def test_an_inference_tensor_output_is_refused_before_anything_is_written():
+    with torch.inference_mode():
+        out = torch.zeros(4)
+    for name, ops in BOTH.items():
+        kind, message = raised_by(lambda: ops.multi_tensor_scale(
+            CHUNK, torch.zeros(1, dtype=torch.int32), [[torch.ones(4)], [out]], 1.0))
+        assert kind is RuntimeError and "inference" in message, name
+        assert out.tolist() == [0.0] * 4, name
 
 
 # ---- CUDA only -----------------------------------------------------------------------------------

@@ -390,6 +390,35 @@ def test_float64_tensors_are_an_error():
         multi_tensor_applier(multi_tensor_scale, flag(), [ins, [torch.zeros(3)]], 1.0)
 
 
+@pytest.mark.parametrize("chunk_size,error", [(True, TypeError), (2.0, TypeError), (0, ValueError),
+                                              (2**63, ValueError)])
+def test_a_bad_chunk_size_is_an_error_naming_it(chunk_size, error):
+    with pytest.raises(error, match="chunk_size"):
+        multi_tensor_scale(chunk_size, flag(), [[torch.ones(3)], [torch.empty(3)]], 1.0)
+
+
+def test_an_output_partially_overlapping_an_input_is_refused_before_writing():
+    base = torch.arange(10.0)
+    with pytest.raises(ValueError, match=r"tensor_lists\[1\]\[0\] overlaps tensor_lists\[0\]\[0\]"):
+        multi_tensor_applier(multi_tensor_scale, flag(), [[base[:8]], [base[2:]]], 2.0)
+    assert torch.equal(base, torch.arange(10.0))
+
+
+def test_an_inference_tensor_output_is_refused_before_writing():
+    with torch.inference_mode():
+        out = torch.zeros(3)
+    with pytest.raises(RuntimeError, match="inference tensor"):
+        multi_tensor_applier(multi_tensor_scale, flag(), [[torch.ones(3)], [out]], 1.0)
+    assert out.tolist() == [0.0, 0.0, 0.0]
+
+
+def test_update_scale_hysteresis_refuses_a_growth_interval_beyond_int32():
+    scale = torch.ones(1)
+    with pytest.raises(ValueError, match="growth_interval must fit in int32"):
+        update_scale_hysteresis(scale, torch.zeros(1, dtype=torch.int32), torch.ones(1, dtype=torch.int32),
+                                torch.zeros(1), 2.0, 0.5, 2**32 + 1, 1)
+
+
 # --- dispatch --------------------------------------------------------------------------------------
 
 def fake_amp_C(cuda):

@@ -11,16 +11,15 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
 #include <atomic>
-#include <cfloat>
-#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
-#include "../amp_C_kernels.h"
+#include "../amp_C_host_device.h"
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 // flatten: the dtype dispatch and loops must be inlined into each clone to be compiled for it.
@@ -125,22 +124,25 @@ template <> AMP_INLINE bf16_t from_float<bf16_t>(float x) {
   return bf16_t{x != x ? uint16_t{0x7fc0} : static_cast<uint16_t>(rounded)};  // c10's NaN
 }
 
-// NaN fails the comparison, so this is the finiteness test, in a form the vectoriser accepts.
-AMP_INLINE bool non_finite(float x) { return !(std::fabs(x) <= FLT_MAX); }
+// out[0, n) = fp16(in[0, n)), rounded like from_float<half_t>, eight at a time (to_half_cpu.cpp).
+void to_half(half_t* out, const float* in, int64_t n);
 
-AMP_INLINE float read_scalar(Scalar s) { return s.ptr ? *s.ptr : s.value; }
+// Elements of the fp32 staging block of a loop that stores fp16: small enough to stay in L1.
+constexpr int64_t kHalfBlock = 1024;
 
-inline void raise_flag(Flag flag) {
-  if (flag.dtype == DType::Int32) {
-    *static_cast<int32_t*>(flag.ptr) = 1;
-  } else {
-    *static_cast<float*>(flag.ptr) = 1.f;
+// Runs a loop with an fp16 output in blocks: compute(block, i, m) writes the fp32 results of
+// elements [i, i + m) into `block`, which to_half() then stores. Returns whether any compute()
+// returned true.
+template <typename Compute>
+AMP_INLINE bool store_half_in_blocks(half_t* out, int64_t n, Compute&& compute) {
+  float block[kHalfBlock];
+  bool bad = false;
+  for (int64_t i = 0; i < n; i += kHalfBlock) {
+    const int64_t m = std::min(kHalfBlock, n - i);
+    bad |= compute(block, i, m);
+    to_half(out + i, block, m);
   }
-}
-
-inline bool flag_is_set(Flag flag) {
-  return flag.dtype == DType::Int32 ? *static_cast<const int32_t*>(flag.ptr) != 0
-                                    : *static_cast<const float*>(flag.ptr) != 0.f;
+  return bad;
 }
 
 }  // namespace cpu

@@ -19,12 +19,19 @@ AMP_INLINE bool axpby_loop(const x_t* x, const y_t* y, out_t* out, int64_t n, Ax
   for (int64_t i = 0; i < n; ++i) {
     const float xv = to_float(x[i]);
     const float yv = to_float(y[i]);
-    bad |= (args.check_x & non_finite(xv)) | (args.check_y & non_finite(yv));
+    bad |= (args.check_x & !is_finite(xv)) | (args.check_y & !is_finite(yv));
     const float ax = args.a * xv;
     const float by = args.b * yv;
     out[i] = from_float<out_t>(ax + by);
   }
   return bad;
+}
+
+template <typename x_t, typename y_t>
+AMP_INLINE bool axpby_loop(const x_t* x, const y_t* y, half_t* out, int64_t n, AxpbyArgs args) {
+  return store_half_in_blocks(out, n, [&](float* block, int64_t i, int64_t m) {
+    return axpby_loop(x + i, y + i, block, m, args);
+  });
 }
 
 AMP_CPU_CLONES bool axpby_piece(const TensorLists& lists, const Piece& p, AxpbyArgs args) {

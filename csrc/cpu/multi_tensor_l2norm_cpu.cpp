@@ -52,7 +52,7 @@ void multi_tensor_l2norm_cpu(int64_t chunk_size, Flag flag, const TensorLists& l
   const int64_t ntensors = static_cast<int64_t>(lists.numel.size());
   std::vector<int64_t> first_chunk(ntensors + 1, 0);
   for (int64_t t = 0; t < ntensors; ++t) {
-    first_chunk[t + 1] = first_chunk[t] + (lists.numel[t] + chunk_size - 1) / chunk_size;
+    first_chunk[t + 1] = first_chunk[t] + chunks_of(lists.numel[t], chunk_size);
   }
   const float s = read_scalar(inv_scale);
   for_each_piece(lists, chunk_size, [&](const Piece& p) {
@@ -67,7 +67,7 @@ void multi_tensor_l2norm_cpu(int64_t chunk_size, Flag flag, const TensorLists& l
     total += tensor_sum;
   }
   *out.total = static_cast<float>(std::sqrt(total));
-  if (non_finite(*out.total)) raise_flag(flag);
+  if (!is_finite(*out.total)) raise_flag(flag);
 }
 
 }  // namespace amp_C

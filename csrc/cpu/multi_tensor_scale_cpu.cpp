@@ -10,10 +10,17 @@ AMP_INLINE bool scale_loop(const in_t* in, out_t* out, int64_t n, float scale) {
   int bad = 0;  // an int, not a bool: an OR-reduction the vectoriser accepts
   for (int64_t i = 0; i < n; ++i) {
     const float x = to_float(in[i]);
-    bad |= non_finite(x);
+    bad |= !is_finite(x);
     out[i] = from_float<out_t>(x * scale);
   }
   return bad;
+}
+
+template <typename in_t>
+AMP_INLINE bool scale_loop(const in_t* in, half_t* out, int64_t n, float scale) {
+  return store_half_in_blocks(out, n, [&](float* block, int64_t i, int64_t m) {
+    return scale_loop(in + i, block, m, scale);
+  });
 }
 
 AMP_CPU_CLONES bool scale_piece(const TensorLists& lists, const Piece& p, float scale) {

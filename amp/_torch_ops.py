@@ -67,6 +67,20 @@ def _flat(t):
     return t.as_strided((t.numel(),), (1,))
 
 
+def _paired_views(ins, outs):
+    """``(ins, outs)`` as lists whose elements pair up in storage order, as the kernels walk them.
+
+    In place (every output is its input) the lists serve as they are, and ``outs is ins`` tells
+    the caller so; equal shapes and strides need no views either; other layouts are flattened.
+    """
+    if all(o is i for i, o in zip(ins, outs)):
+        ins = list(ins)
+        return ins, ins
+    if all(i.shape == o.shape and i.stride() == o.stride() for i, o in zip(ins, outs)):
+        return list(ins), list(outs)
+    return [_flat(t) for t in ins], [_flat(t) for t in outs]
+
+
 def _check_lists(op, tensor_lists, names):
     """Validate the lists and return their common device, or None when they hold no tensors."""
     if len(tensor_lists) != len(names):
@@ -139,6 +153,19 @@ def _check_writable(op, t, name):
 _Range = collections.namedtuple("_Range", ["begin", "end", "list", "index"])
 
 
+def _disjoint(tensor_lists):
+    """The common case, cheaply: no two tensors share a byte (a tensor that appears at the same
+    index of several lists, in place, counts once). Anything else gets the full walk below."""
+    spans = sorted({(id(t), i): (t.data_ptr(), t.nbytes)
+                    for tensors in tensor_lists for i, t in enumerate(tensors)}.values())
+    end = 0
+    for begin, size in spans:
+        if size and begin < end:
+            return False
+        end = max(end, begin + size)
+    return True
+
+
 def _check_outputs(op, tensor_lists):
     """The output list is the last one; an output may share memory only with the inputs at its own
     index, and only exactly (in place, as Apex's ``scale(x, x)``): the compiled kernels write the
@@ -148,6 +175,8 @@ def _check_outputs(op, tensor_lists):
     out_list = len(tensor_lists) - 1
     for i, t in enumerate(tensor_lists[out_list]):
         _check_writable(op, t, f"tensor_lists[{out_list}][{i}]")
+    if _disjoint(tensor_lists):
+        return
     ranges = sorted(
         _Range(t.data_ptr(), t.data_ptr() + t.nbytes, k, i)
         for k, tensors in enumerate(tensor_lists)
@@ -240,13 +269,13 @@ def multi_tensor_scale(chunk_size, noop_flag, tensor_lists, scale):
     _check_flag(op, noop_flag, device)
     _check_outputs(op, tensor_lists)
     scale = _fp32_scalar(op, "scale", scale, device)
-    ins = [_flat(t) for t in tensor_lists[0]]
-    outs = [_flat(t) for t in tensor_lists[1]]
+    ins, outs = _paired_views(tensor_lists[0], tensor_lists[1])
     found = _flag_buffer(noop_flag)
     with torch.no_grad():
         if tensor_lists[1][0].dtype == torch.float32:
             # Widening into an fp32 output is exact, so the output can be the fp32 workspace.
-            torch._foreach_copy_(outs, ins)
+            if outs is not ins:
+                torch._foreach_copy_(outs, ins)
             _scale_(outs, scale, found)
         else:
             work = _fp32_copies(ins)

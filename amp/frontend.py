@@ -200,7 +200,7 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
     _print_options(properties)
 
     scaler_options = dict(min_loss_scale=min_loss_scale, max_loss_scale=max_loss_scale,
-                          scale_factor=growth_factor, scale_window=growth_interval,
+                          growth_factor=growth_factor, growth_interval=growth_interval,
                           backoff_factor=backoff_factor, hysteresis=hysteresis)
     return _initialize(models, optimizers, properties, num_losses, cast_model_outputs,
                        scaler_options, max_consecutive_skips, overflow_process_group)

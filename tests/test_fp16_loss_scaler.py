@@ -7,7 +7,7 @@ from fp16_utils import DynamicLossScaler, LossScaler
 FP32_MAX = torch.finfo(torch.float32).max
 
 
-@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning")
+@pytest.mark.filterwarnings("ignore::fp16_utils.DeprecatedFeatureWarning")
 @pytest.mark.parametrize("make,name", [
     (lambda: LossScaler(1e-46), "scale"),
     (lambda: LossScaler(1e39), "scale"),

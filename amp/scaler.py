@@ -115,7 +115,8 @@ class _LaggedHostScale:
     def enqueue(self, scale, updates):
         self.buffer.copy_(scale, non_blocking=True)
         if self.copied is not None:
-            self.copied.record()
+            # The copy runs on the scale's device's stream, which need not be the current device's.
+            self.copied.record(torch.cuda.current_stream(scale.device))
         self.pending_at = updates
 
     def poll(self):

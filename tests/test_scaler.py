@@ -506,3 +506,17 @@ def test_state_moves_to_the_device_of_first_use_and_unscales_cuda_grads():
     assert scaler.found_inf().is_cuda and scaler.scale_tensor("cuda").is_cuda
     for g, m in zip(model, master):
         assert torch.equal(m, g.float() * inverse(2.0**16).cuda())
+
+
+@pytest.mark.cuda
+@pytest.mark.filterwarnings("ignore:amp. the dynamic loss scale fell")
+def test_products_that_overflow_are_flagged_on_cuda():
+    scaler = LossScaler("dynamic", init_scale=1.0)
+    scaler.scale_tensor("cuda")
+    for _ in range(3):
+        scaler.found_inf().fill_(1)
+        scaler.update_scale_()
+    scaler.clear_overflow_state()
+    grad = torch.tensor([10000.0, 1.0], dtype=torch.float16, device="cuda")
+    scaler.unscale([grad], [grad], None, models_are_masters=True)
+    assert grad[0].isinf() and grad[1] == 8.0 and scaler.found_inf().item() > 0

@@ -60,17 +60,15 @@ def _one_name(where, apex_name, apex_value, torch_name, torch_value, default):
     return torch_name, default if torch_value is None else torch_value
 
 
-def _may_exceed(terms, out_dtype):
-    """Whether ``sum(factor * x)`` over ``terms`` of ``(dtype of x, bound on |factor| or None)`` can
-    leave ``out_dtype``'s range although every ``x`` is finite.
+def _may_overflow(in_dtype, factor_bound, out_dtype):
+    """Whether ``factor * x`` can leave ``out_dtype``'s range although ``x`` (of ``in_dtype``) is
+    finite; ``factor_bound`` bounds the fp32 factor the kernel uses, None if unknown.
 
-    The kernels flag non-finite *inputs* only, so outputs that can overflow need a check of their
-    own. The bounds are the fp32 factors the kernels use; the sum, in doubles, errs far less than
-    an fp32 or fp16 rounding, so a sum found in range is also in range after the kernels round.
+    The kernels flag non-finite *inputs* only, so such products need a check of their own. The
+    product, in doubles, errs far less than an fp32 or fp16 rounding, so one found in range is
+    also in range after the kernel rounds.
     """
-    if any(bound is None for _, bound in terms):
-        return True
-    return sum(torch.finfo(dtype).max * bound for dtype, bound in terms) > torch.finfo(out_dtype).max
+    return factor_bound is None or torch.finfo(in_dtype).max * factor_bound > torch.finfo(out_dtype).max
 
 
 def _as_fp32(value):
@@ -386,9 +384,9 @@ class LossScaler:
         # Rounding is monotonic: a scale at or above the bound has an fp32 inverse at or below this.
         return _as_fp32(1.0 / self._host_scale.lower_bound(self._updates, self._backoff_factor, floor))
 
-    def _check_outputs(self, terms, outputs):
-        """Flag non-finite ``outputs`` if the products in ``terms`` (see ``_may_exceed``) can overflow."""
-        if _may_exceed(terms, outputs[0].dtype):
+    def _check_outputs(self, inputs, factor_bound, outputs):
+        """Flag non-finite ``outputs`` if ``factor * inputs`` may overflow them (see ``_may_overflow``)."""
+        if _may_overflow(inputs[0].dtype, factor_bound, outputs[0].dtype):
             multi_tensor_applier(multi_tensor_scale, self._overflow_buf, [outputs, outputs], 1.0)
 
     def unscale(self, model_grads, master_grads, unused_scale, models_are_masters=False, scale_override=None):
@@ -408,14 +406,16 @@ class LossScaler:
         multi_tensor_applier(multi_tensor_scale, self._check_buffer(), [model_grads, master_grads], inv_scale)
         if self.dynamic:
             bound = self._inverse_scale_bound() if scale_override is None else _factor_bound(1.0, scale_override)
-            self._check_outputs([(model_grads[0].dtype, bound)], master_grads)
+            self._check_outputs(model_grads, bound, master_grads)
 
     def unscale_with_stashed(self, model_grads, stashed_master_grads, master_grads, scale_override=None):
         """``master = model * (out_scale / grads_have_scale) + stashed * (out_scale / stashed_have_scale)``.
 
         ``scale_override`` is ``(grads_have_scale, stashed_have_scale, out_scale)``, by default
-        ``(scale, 1, 1)``. The incoming model grads are checked for overflow, and the results too
-        whenever the sum could overflow.
+        ``(scale, 1, 1)``. As in Apex only the incoming model grads are checked for overflow (a
+        non-finite stash was flagged by the backward that made it). Where unscaling them can itself
+        overflow (a scale below 1), the results are checked as well, so a non-finite stash then
+        counts too: an extra skip, never a missed one.
         """
         if len(model_grads) == 0:
             return
@@ -435,9 +435,7 @@ class LossScaler:
         if self.dynamic:
             model_bound = (self._inverse_scale_bound() if scale_override is None
                            else _factor_bound(out_scale, grads_have_scale))
-            terms = [(model_grads[0].dtype, model_bound),
-                     (stashed_master_grads[0].dtype, _factor_bound(out_scale, stashed_have_scale))]
-            self._check_outputs(terms, master_grads)
+            self._check_outputs(model_grads, model_bound, master_grads)
 
     def update_scale_(self):
         """Update the scale from the overflow flag on the device, without a host sync.

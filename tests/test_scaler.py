@@ -331,11 +331,13 @@ def test_unscale_at_a_scale_of_one_or_more_makes_a_single_pass(monkeypatch, dtyp
     assert len(calls) == 3
 
 
-def test_unscale_with_stashed_flags_a_sum_that_overflows_fp16():
-    scaler = LossScaler("dynamic", init_scale=1.0)
-    model, stashed = [torch.tensor([40000.0], dtype=torch.float16)], [torch.tensor([40000.0], dtype=torch.float16)]
+def test_unscale_with_stashed_flags_unscaled_grads_that_overflow():
+    scaler = LossScaler("dynamic", init_scale=0.25)
+    model = [torch.tensor([20000.0, 1.0], dtype=torch.float16)]
+    stashed = [torch.tensor([1.0, 1.0], dtype=torch.float16)]
     scaler.unscale_with_stashed(model, stashed, stashed)
-    assert stashed[0].isinf().all() and scaler.found_inf().item() > 0
+    assert stashed[0][0].isinf() and stashed[0][1] == 5.0
+    assert scaler.found_inf().item() > 0
 
 
 @pytest.mark.filterwarnings("ignore:amp. the dynamic loss scale fell")

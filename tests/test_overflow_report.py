@@ -29,6 +29,7 @@ def test_a_clean_step_resets_the_consecutive_skip_count():
     assert int(amp.skipped_steps(optimizer)) == 4
 
 
+@pytest.mark.filterwarnings("ignore:amp. the dynamic loss scale fell")
 def test_zero_max_consecutive_skips_disables_the_error():
     model, optimizer = initialized("O1", max_consecutive_skips=0)
     for step in range(60):
@@ -36,6 +37,7 @@ def test_zero_max_consecutive_skips_disables_the_error():
     assert int(amp.skipped_steps(optimizer)) == 60
 
 
+@pytest.mark.filterwarnings("ignore:amp. the dynamic loss scale fell")
 def test_skip_messages_are_rate_limited(capsys):
     model, optimizer = initialized("O2", max_consecutive_skips=0, verbosity=1)
     capsys.readouterr()

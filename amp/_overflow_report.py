@@ -60,7 +60,9 @@ class OverflowReporter:
             "forward pass or in the loss itself (check the inputs, a log/sqrt/division of zero, an "
             "exploding learning rate), not a loss scale that is too large. Raise "
             "max_consecutive_skips in amp.initialize (or set it to 0 to disable this check) if the "
-            "run really needs more skipped steps."
+            "run really needs more skipped steps. To carry on after fixing the cause, reset the "
+            "shrunken loss scale of each loss, e.g. amp._amp_state.loss_scalers[0].set_scale(2.**16) "
+            "for the first, or resume from a checkpoint."
         )
 
 

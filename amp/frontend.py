@@ -232,7 +232,7 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
                      loss_scale=loss_scale)
     properties = _properties_for(opt_level, overrides)
     scaler_options = dict(min_loss_scale=min_loss_scale, max_loss_scale=max_loss_scale,
-                          scale_factor=growth_factor, scale_window=growth_interval,
+                          growth_factor=growth_factor, growth_interval=growth_interval,
                           backoff_factor=backoff_factor, hysteresis=hysteresis)
     context = AmpContext(properties, verbosity=verbosity,
                          overflow_process_group=overflow_process_group,

@@ -1,6 +1,8 @@
 """The loss scaler behind ``amp.scale_loss``."""
 import math
 import numbers
+import struct
+import warnings
 
 import torch
 
@@ -11,9 +13,23 @@ from amp.multi_tensor_apply import (
     update_scale_hysteresis,
 )
 
-__all__ = ["LossScaler"]
+__all__ = ["LossScaler", "DEFAULT_MIN_LOSS_SCALE"]
 
 _STATE_KEYS = ("loss_scale", "unskipped", "hysteresis_tracker", "dynamic")
+_FP32 = torch.finfo(torch.float32)
+# The trackers are int32 device tensors.
+_INT32 = torch.iinfo(torch.int32)
+
+# The floor of a dynamic scale when ``min_loss_scale`` is None. Without a floor, overflows that are
+# not consecutive (so never stopped by ``max_consecutive_skips``) halve the scale into fp32's
+# denormals, where 1/scale is inf and unscaling turns every gradient into inf or NaN (GradScaler
+# collapses the same way). 2**-24 is fp16's smallest subnormal: at this scale only gradients of
+# about 1 or more survive in fp16, so a smaller scale rescues nothing, and its reciprocal 2**24
+# keeps every unscaled fp16 gradient below 2**40, far inside fp32.
+DEFAULT_MIN_LOSS_SCALE = 2.0**-24
+# Below a scale of 1 the scaler shrinks gradients instead of protecting them: fp16 gradients
+# smaller than 2**-24 / scale flush to zero. This is warned about once per scaler.
+UNDERFLOW_WARNING_SCALE = 1.0
 
 
 def _is_real(value):
@@ -24,9 +40,100 @@ def _is_int(value):
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def _require(ok, argument, valid, value):
+def _require(ok, where, name, valid, value):
     if not ok:
-        raise ValueError(f"LossScaler: {argument} must be {valid}, got {value!r}")
+        raise ValueError(f"{where}: {name} must be {valid}, got {value!r}")
+
+
+def _in_range(value, low, high):
+    # Also False for NaN, inf and non-numbers.
+    return _is_real(value) and low <= value <= high
+
+
+def _one_name(where, apex_name, apex_value, torch_name, torch_value, default):
+    """``(name, value)`` of an option that has Apex's name and torch's name; at most one may be given."""
+    if apex_value is not None and torch_value is not None:
+        raise TypeError(f"{where}: {torch_name} and {apex_name} are the same option (torch's and Apex's "
+                        "name for it); pass only one of them")
+    if apex_value is not None:
+        return apex_name, apex_value
+    return torch_name, default if torch_value is None else torch_value
+
+
+def _may_overflow(in_dtype, factor_bound, out_dtype):
+    """Whether ``factor * x`` can leave ``out_dtype``'s range although ``x`` (of ``in_dtype``) is
+    finite; ``factor_bound`` bounds the fp32 factor the kernel uses, None if unknown.
+
+    The kernels flag non-finite *inputs* only, so such products need a check of their own. The
+    product, in doubles, errs far less than an fp32 or fp16 rounding, so one found in range is
+    also in range after the kernel rounds.
+    """
+    return factor_bound is None or torch.finfo(in_dtype).max * factor_bound > torch.finfo(out_dtype).max
+
+
+def _as_fp32(value):
+    """``value`` rounded to fp32 as ``LossScaler._ratio`` rounds the kernels' factors (inf if too large)."""
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:
+        return math.inf
+
+
+def _factor_bound(numerator, denominator):
+    """The fp32 factor ``numerator / denominator`` for host numbers, None (unknown) for tensors."""
+    if isinstance(numerator, torch.Tensor) or isinstance(denominator, torch.Tensor):
+        return None
+    return abs(_as_fp32(float(numerator) / float(denominator)))
+
+
+class _LaggedHostScale:
+    """What the host knows about the device scale, learnt without ever waiting for the device.
+
+    After each update a non-blocking copy of the scale goes to (pinned) host memory; once it has
+    landed (a CUDA event says so, queried, never waited for) its value is known. Aged by the
+    updates since, it bounds the scale from below, because an update multiplies the scale by
+    ``backoff_factor`` at the least.
+    """
+
+    def __init__(self, value):
+        self.value, self.at_update = value, 0
+        self.place(torch.device("cpu"))
+
+    def place(self, device):
+        self.device = device
+        on_cuda = device.type == "cuda"
+        self.buffer = torch.zeros(1, dtype=torch.float32, pin_memory=on_cuda)
+        self.copied = torch.cuda.Event() if on_cuda else None
+        self.pending_at = None
+
+    def set(self, value, updates):
+        """The host wrote ``value`` itself: known exactly, and any copy in flight is stale."""
+        self.value, self.at_update, self.pending_at = value, updates, None
+
+    def enqueue(self, scale, updates):
+        self.buffer.copy_(scale, non_blocking=True)
+        if self.copied is not None:
+            # The copy runs on the scale's device's stream, which need not be the current device's.
+            self.copied.record(torch.cuda.current_stream(scale.device))
+        self.pending_at = updates
+
+    def poll(self):
+        """Take in the copy in flight if it has landed; returns its value, or None."""
+        if self.pending_at is None or (self.copied is not None and not self.copied.query()):
+            return None
+        self.set(float(self.buffer.numpy()[0]), self.pending_at)
+        return self.value
+
+    def lower_bound(self, updates, backoff_factor, floor):
+        return max(floor, self.value * backoff_factor ** (updates - self.at_update))
+
+    def __getstate__(self):
+        # CUDA events cannot be copied or pickled: a copy gets its own buffer and event instead.
+        return {"value": self.value, "at_update": self.at_update, "device": self.device}
+
+    def __setstate__(self, state):
+        self.value, self.at_update = state["value"], state["at_update"]
+        self.place(state["device"])
 
 
 class LossScaler:
@@ -49,96 +156,117 @@ class LossScaler:
     Why dynamic scaling works: gradients of a loss multiplied by S are the true gradients times S,
     so a large S lifts tiny gradients above fp16's underflow threshold; unscaling in fp32 divides
     S out again before the optimizer sees them. Too large an S overflows to inf/NaN instead. A
-    dynamic scaler therefore watches the unscaled gradients: a non-finite value means the step is
-    skipped and S is reduced by ``backoff_factor``; ``scale_window`` consecutive clean steps mean S
-    can probably grow, and it is multiplied by ``scale_factor``. S settles just below the largest
+    dynamic scaler therefore watches the gradients: a non-finite value means the step is skipped
+    and S is reduced by ``backoff_factor``; ``growth_interval`` consecutive clean steps mean S can
+    probably grow, and it is multiplied by ``growth_factor``. S settles just below the largest
     value that does not overflow. A static scaler (a number for ``loss_scale``) never changes S and
     never checks for overflow.
+
+    S never leaves ``[min_loss_scale, max_loss_scale]``, and the floor defaults to
+    ``DEFAULT_MIN_LOSS_SCALE`` (2**-24), so overflows that keep recurring cannot shrink S until
+    1/S is inf. Once S drops below 1 (gradients are then scaled down, and small fp16 ones flush to
+    zero) a warning is given, once. Unscaling by 1/S > 1 can itself overflow; whenever the host
+    cannot rule that out, the unscaled gradients are checked too.
 
     State (scale, growth tracker, hysteresis tracker and overflow flag) is kept in tensors on the
     device of the gradients, so ``update_scale_()`` decides and updates without synchronising with
     the host; ``update_scale()`` is the same plus one host read of the skip decision.
 
     Args:
-        loss_scale: ``"dynamic"``, or a positive number for a static scale.
-        init_scale (float, default ``2.**16``): first dynamic scale (capped at ``max_loss_scale``).
-        scale_factor (float, default ``2.``): growth factor, > 1.
-        scale_window (int, default ``2000``): consecutive clean steps before the scale grows, >= 1.
-        min_loss_scale (float or None, default None): floor for backoff; ``None`` means no floor,
-            ``0`` is a floor of 0 (unlike Apex, where 0 also meant no floor).
-        max_loss_scale (float or None, default ``2.**24``): cap for growth; ``None`` means no cap.
-        backoff_factor (float, keyword-only, default ``1 / scale_factor``): in (0, 1).
+        loss_scale: ``"dynamic"``, or a number for a static scale.
+        init_scale (float, default ``2.**16``): first dynamic scale, clamped into
+            ``[min_loss_scale, max_loss_scale]``.
+        scale_factor (float, default ``2.``): Apex's name for ``growth_factor``.
+        scale_window (int, default ``2000``): Apex's name for ``growth_interval``.
+        min_loss_scale (float or None, default None): floor of a dynamic scale; ``None`` means
+            ``DEFAULT_MIN_LOSS_SCALE``. Must be at least 2**-126 (fp32's smallest normal number:
+            the reciprocal of anything smaller is inf in fp32).
+        max_loss_scale (float or None, default ``2.**24``): cap of a dynamic scale; ``None`` means
+            fp32's largest number.
+        growth_factor (float, keyword-only, default ``2.``): growth factor, > 1.
+        growth_interval (int, keyword-only, default ``2000``): consecutive clean steps before the
+            scale grows, >= 1.
+        backoff_factor (float, keyword-only, default ``1 / growth_factor``): in (0, 1).
         hysteresis (int, keyword-only, default ``1``): how many *consecutive* overflowing steps are
             tolerated before backing off. Each overflow still skips its step; the first
             ``hysteresis - 1`` of a run leave the scale unchanged, the ``hysteresis``-th (and every
             later one, until a clean step) multiplies it by ``backoff_factor``. A clean step resets
             the count. ``1`` is Apex's behaviour: every overflow backs off.
+
+    Errors name the option as it was passed (``growth_factor`` or ``scale_factor``). Constructing
+    a scaler has no side effect, so it also serves to validate these options.
     """
 
     def __init__(
         self,
         loss_scale,
         init_scale=2.0**16,
-        scale_factor=2.0,
-        scale_window=2000,
+        scale_factor=None,
+        scale_window=None,
         min_loss_scale=None,
         max_loss_scale=2.0**24,
         *,
+        growth_factor=None,
+        growth_interval=None,
         backoff_factor=None,
         hysteresis=1,
     ):
+        where = "LossScaler"
+        scales = f"a number in [2**-126, {_FP32.max:.6g}] (finite in fp32, with a finite reciprocal)"
+        factor_name, factor = _one_name(where, "scale_factor", scale_factor, "growth_factor", growth_factor, 2.0)
+        interval_name, interval = _one_name(
+            where, "scale_window", scale_window, "growth_interval", growth_interval, 2000
+        )
         self.dynamic = loss_scale == "dynamic"
-        if backoff_factor is None and _is_real(scale_factor) and scale_factor != 0:
-            backoff_factor = 1.0 / scale_factor
         if not self.dynamic:
-            _require(
-                _is_real(loss_scale) and 0 < loss_scale < math.inf,
-                "loss_scale",
-                '"dynamic" or a finite number > 0',
-                loss_scale,
-            )
-        _require(
-            _is_real(init_scale) and 0 < init_scale < math.inf, "init_scale", "finite and > 0", init_scale
-        )
-        _require(_is_real(scale_factor) and scale_factor > 1, "scale_factor", "> 1", scale_factor)
-        _require(
-            _is_real(backoff_factor) and 0 < backoff_factor < 1, "backoff_factor", "in (0, 1)", backoff_factor
-        )
-        _require(_is_int(scale_window) and scale_window >= 1, "scale_window", "an int >= 1", scale_window)
-        _require(_is_int(hysteresis) and hysteresis >= 1, "hysteresis", "an int >= 1", hysteresis)
-        _require(
-            min_loss_scale is None or (_is_real(min_loss_scale) and min_loss_scale >= 0),
-            "min_loss_scale",
-            "None or a number >= 0",
-            min_loss_scale,
-        )
-        _require(
-            max_loss_scale is None or (_is_real(max_loss_scale) and max_loss_scale > 0),
-            "max_loss_scale",
-            "None or a number > 0",
-            max_loss_scale,
-        )
-        if min_loss_scale is not None and max_loss_scale is not None and min_loss_scale > max_loss_scale:
-            raise ValueError(
-                f"LossScaler: min_loss_scale ({min_loss_scale}) must not exceed "
-                f"max_loss_scale ({max_loss_scale})"
-            )
+            _require(_in_range(loss_scale, _FP32.tiny, _FP32.max), where, "loss_scale", f'"dynamic" or {scales}',
+                     loss_scale)
+        _require(_in_range(init_scale, _FP32.tiny, _FP32.max), where, "init_scale", scales, init_scale)
+        _require(_is_real(factor) and 1 < factor <= _FP32.max, where, factor_name, "a finite number > 1", factor)
+        if backoff_factor is None:
+            backoff_factor = 1.0 / factor
+        _require(_is_real(backoff_factor) and 0 < backoff_factor < 1, where, "backoff_factor", "in (0, 1)",
+                 backoff_factor)
+        _require(_is_int(interval) and 1 <= interval <= _INT32.max, where, interval_name,
+                 f"an int in [1, {_INT32.max}]", interval)
+        _require(_is_int(hysteresis) and 1 <= hysteresis <= _INT32.max, where, "hysteresis",
+                 f"an int in [1, {_INT32.max}]", hysteresis)
+        _require(min_loss_scale is None or _in_range(min_loss_scale, _FP32.tiny, _FP32.max), where,
+                 "min_loss_scale", f"None (a floor of {DEFAULT_MIN_LOSS_SCALE!r}, 2**-24) or {scales}",
+                 min_loss_scale)
+        _require(max_loss_scale is None or _in_range(max_loss_scale, _FP32.tiny, _FP32.max), where,
+                 "max_loss_scale", f"None (no cap below fp32's largest number) or {scales}", max_loss_scale)
+        floor = DEFAULT_MIN_LOSS_SCALE if min_loss_scale is None else float(min_loss_scale)
+        cap = _FP32.max if max_loss_scale is None else float(max_loss_scale)
+        if floor > cap:
+            if min_loss_scale is None:
+                raise ValueError(f"{where}: max_loss_scale ({max_loss_scale}) is below the default floor "
+                                 f"min_loss_scale={DEFAULT_MIN_LOSS_SCALE!r} (2**-24); pass a smaller "
+                                 "min_loss_scale as well")
+            raise ValueError(f"{where}: min_loss_scale ({min_loss_scale}) must not exceed "
+                             f"max_loss_scale ({max_loss_scale})")
 
-        self._scale_factor = float(scale_factor)
+        self._growth_factor = float(factor)
         self._backoff_factor = float(backoff_factor)
-        self._scale_seq_len = scale_window
+        self._scale_seq_len = interval
         self._hysteresis = hysteresis
+        # Apex's attributes, as given; the scale itself is kept within _scale_range.
         self._min_loss_scale = min_loss_scale
         self._max_loss_scale = max_loss_scale
         if self.dynamic:
-            initial = init_scale if max_loss_scale is None else min(max_loss_scale, init_scale)
+            self._scale_range = (floor, cap)
+            initial = min(max(float(init_scale), floor), cap)
         else:
-            initial = loss_scale
+            self._scale_range = (_FP32.tiny, _FP32.max)
+            initial = float(loss_scale)
         # Host copy of a static scale, so the "nothing to do" test in unscale() needs no sync.
-        self._static_scale = float(initial)
+        self._static_scale = initial
+        self._updates = 0
+        self._host_scale = _LaggedHostScale(initial)
+        self._warned_low_scale = False
         # Created on the CPU; _place moves it to the device where it is used (normally once).
         self._device = None
-        self._scale = torch.full((1,), float(initial), dtype=torch.float32)
+        self._scale = torch.full((1,), initial, dtype=torch.float32)
         self._growth_tracker = torch.zeros(1, dtype=torch.int32)
         self._hysteresis_tracker = torch.full((1,), hysteresis, dtype=torch.int32)
         self._overflow_buf = torch.zeros(1, dtype=torch.float32)
@@ -152,13 +280,53 @@ class LossScaler:
             self._hysteresis_tracker = self._hysteresis_tracker.to(device)
             self._overflow_buf = self._overflow_buf.to(device)
             self._device = self._scale.device
+            self._host_scale.place(self._device)
         return self._device
 
     def loss_scale(self):
         """The current scale as a Python float (a dynamic scale is read from the device: a sync)."""
         if not self.dynamic:
             return self._static_scale
-        return self._scale.item()
+        value = self._scale.item()
+        self._host_scale.set(value, self._updates)
+        self._warn_if_low(value)
+        return value
+
+    def get_scale(self):
+        """The current scale as a Python float (torch's name for ``loss_scale()``)."""
+        return self.loss_scale()
+
+    def set_scale(self, value):
+        """Replace the scale, e.g. to reset one that shrank while the gradients were broken.
+
+        ``value`` must lie in ``[min_loss_scale, max_loss_scale]`` (any finite fp32 scale with a
+        finite reciprocal for a static scaler). The growth and hysteresis counters are kept.
+        """
+        low, high = self._scale_range
+        _require(_in_range(value, low, high), "LossScaler.set_scale", "the scale", self._range_text(), value)
+        self._write_scale(float(value))
+
+    def _range_text(self):
+        low, high = self._scale_range
+        if self.dynamic:
+            return f"a number in [{low!r}, {high!r}] (this scaler's min_loss_scale and max_loss_scale)"
+        return f"a number in [2**-126, {high:.6g}] (finite in fp32, with a finite reciprocal)"
+
+    def _write_scale(self, value):
+        self._scale.fill_(value)
+        self._static_scale = value
+        self._host_scale.set(value, self._updates)
+
+    def _warn_if_low(self, value):
+        if value < UNDERFLOW_WARNING_SCALE and not self._warned_low_scale:
+            self._warned_low_scale = True
+            warnings.warn(
+                f"amp: the dynamic loss scale fell to {value!r}, below {UNDERFLOW_WARNING_SCALE}: gradients are "
+                f"now scaled down, and fp16 gradients smaller than 2**-24 / scale flush to zero "
+                f"(the floor is min_loss_scale={self._scale_range[0]!r}). The gradients overflow even "
+                "unscaled: look for an inf/NaN or an exploding value in the forward pass or the loss, "
+                "or train in bfloat16 (opt_level O4/O5)."
+            )
 
     @property
     def _loss_scale(self):
@@ -166,8 +334,7 @@ class LossScaler:
 
     @_loss_scale.setter
     def _loss_scale(self, value):
-        self._scale.fill_(float(value))
-        self._static_scale = float(value)
+        self.set_scale(value)
 
     @property
     def _unskipped(self):
@@ -208,6 +375,20 @@ class LossScaler:
             return self._overflow_buf
         return torch.zeros(1, dtype=torch.float32, device=self._device)
 
+    def _inverse_scale_bound(self):
+        """An upper bound on 1/scale known on the host without a sync."""
+        value = self._host_scale.poll()
+        if value is not None:
+            self._warn_if_low(value)
+        floor = self._scale_range[0]
+        # Rounding is monotonic: a scale at or above the bound has an fp32 inverse at or below this.
+        return _as_fp32(1.0 / self._host_scale.lower_bound(self._updates, self._backoff_factor, floor))
+
+    def _check_outputs(self, inputs, factor_bound, outputs):
+        """Flag non-finite ``outputs`` if ``factor * inputs`` may overflow them (see ``_may_overflow``)."""
+        if _may_overflow(inputs[0].dtype, factor_bound, outputs[0].dtype):
+            multi_tensor_applier(multi_tensor_scale, self._overflow_buf, [outputs, outputs], 1.0)
+
     def unscale(self, model_grads, master_grads, unused_scale, models_are_masters=False, scale_override=None):
         """``master_grads[i] = model_grads[i] / scale`` in one fused pass, flagging non-finite model grads.
 
@@ -223,12 +404,18 @@ class LossScaler:
         self._place(model_grads[0].device)
         inv_scale = self._ratio(1.0, self._scale if scale_override is None else scale_override)
         multi_tensor_applier(multi_tensor_scale, self._check_buffer(), [model_grads, master_grads], inv_scale)
+        if self.dynamic:
+            bound = self._inverse_scale_bound() if scale_override is None else _factor_bound(1.0, scale_override)
+            self._check_outputs(model_grads, bound, master_grads)
 
     def unscale_with_stashed(self, model_grads, stashed_master_grads, master_grads, scale_override=None):
         """``master = model * (out_scale / grads_have_scale) + stashed * (out_scale / stashed_have_scale)``.
 
         ``scale_override`` is ``(grads_have_scale, stashed_have_scale, out_scale)``, by default
-        ``(scale, 1, 1)``. Only the incoming model grads are checked for overflow.
+        ``(scale, 1, 1)``. As in Apex only the incoming model grads are checked for overflow (a
+        non-finite stash was flagged by the backward that made it). Where unscaling them can itself
+        overflow (a scale below 1), the results are checked as well, so a non-finite stash then
+        counts too: an extra skip, never a missed one.
         """
         if len(model_grads) == 0:
             return
@@ -245,6 +432,10 @@ class LossScaler:
             self._ratio(out_scale, stashed_have_scale),
             0,
         )
+        if self.dynamic:
+            model_bound = (self._inverse_scale_bound() if scale_override is None
+                           else _factor_bound(out_scale, grads_have_scale))
+            self._check_outputs(model_grads, model_bound, master_grads)
 
     def update_scale_(self):
         """Update the scale from the overflow flag on the device, without a host sync.
@@ -255,27 +446,20 @@ class LossScaler:
         if not self.dynamic:
             return torch.zeros(1, dtype=torch.float32, device=self._scale.device)
         should_skip = (self._overflow_buf > 0).to(torch.float32)
-        previous = self._scale.clone()
         update_scale_hysteresis(
             self._scale,
             self._growth_tracker,
             self._hysteresis_tracker,
             self._overflow_buf,
-            self._scale_factor,
+            self._growth_factor,
             self._backoff_factor,
             self._scale_seq_len,
             self._hysteresis,
         )
-        # The clamps apply only to a scale that just moved, as in Apex: a scale the user poked
-        # outside [min, max] is left alone until it backs off or grows.
-        if self._min_loss_scale is not None:
-            self._scale.copy_(
-                torch.where(self._scale < previous, self._scale.clamp(min=self._min_loss_scale), self._scale)
-            )
-        if self._max_loss_scale is not None:
-            self._scale.copy_(
-                torch.where(self._scale > previous, self._scale.clamp(max=self._max_loss_scale), self._scale)
-            )
+        # The host keeps the scale within the range, so clamping what the update did suffices.
+        self._scale.clamp_(*self._scale_range)
+        self._updates += 1
+        self._host_scale.enqueue(self._scale, self._updates)
         return should_skip
 
     def update_scale(self):
@@ -299,13 +483,14 @@ class LossScaler:
         Apex's two-key dicts (``loss_scale``, ``unskipped``) load too; the hysteresis tracker then
         restarts at ``hysteresis``.
         """
+        where = "LossScaler.load_state_dict"
         if not isinstance(state_dict, dict):
-            raise TypeError(f"LossScaler.load_state_dict expects a dict, got {type(state_dict).__name__}")
+            raise TypeError(f"{where} expects a dict, got {type(state_dict).__name__}")
         unexpected = sorted(set(state_dict) - set(_STATE_KEYS))
         missing = [key for key in ("loss_scale", "unskipped") if key not in state_dict]
         if unexpected or missing:
             raise ValueError(
-                f"LossScaler.load_state_dict: unexpected keys {unexpected}, missing keys {missing}; "
+                f"{where}: unexpected keys {unexpected}, missing keys {missing}; "
                 f"expected a dict from LossScaler.state_dict() with keys {list(_STATE_KEYS)}"
             )
         loss_scale = state_dict["loss_scale"]
@@ -313,24 +498,25 @@ class LossScaler:
         hysteresis_tracker = state_dict.get("hysteresis_tracker", self._hysteresis)
         dynamic = state_dict.get("dynamic", self.dynamic)
 
-        def require(ok, key, valid):
-            if not ok:
-                raise ValueError(
-                    f"LossScaler.load_state_dict: {key} must be {valid}, got {state_dict[key]!r}"
-                )
-
-        require(_is_real(loss_scale) and 0 <= loss_scale < math.inf, "loss_scale", "a finite number >= 0")
-        require(_is_int(unskipped) and unskipped >= 0, "unskipped", "an int >= 0")
-        if "hysteresis_tracker" in state_dict:
-            require(_is_int(hysteresis_tracker), "hysteresis_tracker", "an int")
         if "dynamic" in state_dict:
-            require(isinstance(dynamic, bool), "dynamic", "a bool")
+            _require(isinstance(dynamic, bool), where, "dynamic", "a bool", dynamic)
         if dynamic != self.dynamic:
             kinds = {True: "dynamic", False: "static"}
             raise ValueError(
-                f"LossScaler.load_state_dict: the state was saved from a {kinds[dynamic]} scaler but this "
+                f"{where}: the state was saved from a {kinds[dynamic]} scaler but this "
                 f"scaler is {kinds[self.dynamic]}; construct it with the same loss_scale setting"
             )
-        self._loss_scale = loss_scale
+        low, high = self._scale_range
+        _require(_in_range(loss_scale, low, high), where, "loss_scale", self._range_text(), loss_scale)
+        # A static scaler counts without bound (as Apex's did); a dynamic one restarts at the interval.
+        most = _INT32.max if not self.dynamic else self._scale_seq_len - 1
+        _require(_is_int(unskipped) and 0 <= unskipped <= most, where, "unskipped",
+                 f"an int in [0, {most}] (clean steps since the last growth, below this scaler's growth "
+                 "interval)", unskipped)
+        # The tracker counts down from hysteresis, one per consecutive overflow.
+        _require(_is_int(hysteresis_tracker) and _INT32.min <= hysteresis_tracker <= self._hysteresis, where,
+                 "hysteresis_tracker", f"an int in [{_INT32.min}, {self._hysteresis}] (at most this scaler's "
+                 "hysteresis)", hysteresis_tracker)
+        self._write_scale(float(loss_scale))
         self._unskipped = unskipped
         self._hysteresis_tracker.fill_(hysteresis_tracker)

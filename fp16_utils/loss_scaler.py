@@ -12,6 +12,8 @@ from ._deprecation import deprecated_warning
 
 __all__ = ["LossScaler", "DynamicLossScaler"]
 
+_FP32 = torch.finfo(torch.float32)
+
 
 def _check_positive_number(value, name, where, minimum=0.0, inclusive=False):
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
@@ -19,6 +21,14 @@ def _check_positive_number(value, name, where, minimum=0.0, inclusive=False):
     if value < minimum or (value == minimum and not inclusive):
         bound = ">=" if inclusive else ">"
         raise ValueError(f"{where}: {name} must be {bound} {minimum}, got {value!r}.")
+
+
+def _check_scale(value, name, where):
+    """A scale outside fp32's normal range scales the loss to inf, or unscales by an infinite 1/scale."""
+    _check_positive_number(value, name, where)
+    if not _FP32.tiny <= value <= _FP32.max:
+        raise ValueError(f"{where}: {name} must be in [2**-126, {_FP32.max:.6g}], so that it and its "
+                         f"reciprocal are finite in fp32, got {value!r}.")
 
 
 class _ScalerBase:
@@ -46,7 +56,7 @@ class LossScaler(_ScalerBase):
     def __init__(self, scale=1):
         deprecated_warning("fp16_utils.LossScaler is deprecated and will be removed. "
                            "Use amp.initialize and amp.scale_loss instead.")
-        _check_positive_number(scale, "scale", "LossScaler")
+        _check_scale(scale, "scale", "LossScaler")
         self.cur_scale = scale
 
     def has_overflow(self, params):
@@ -62,7 +72,9 @@ class LossScaler(_ScalerBase):
 
 class DynamicLossScaler(_ScalerBase):
     """A loss scale that is divided by ``scale_factor`` (never below 1) when the grads overflow,
-    and multiplied by it after ``scale_window`` iterations without overflow.
+    and multiplied by it (never above fp32's largest number) after ``scale_window`` iterations
+    without overflow. Apex let it grow to inf in a run whose grads stayed zero, and inf / 2 is
+    still inf: every later step overflowed.
 
     As in Apex the first growth comes at iteration ``scale_window - 1`` (counting from 0), because
     the last overflow is taken to have happened at iteration -1.
@@ -70,7 +82,7 @@ class DynamicLossScaler(_ScalerBase):
 
     def __init__(self, init_scale=2**32, scale_factor=2., scale_window=1000):
         where = "DynamicLossScaler"
-        _check_positive_number(init_scale, "init_scale", where)
+        _check_scale(init_scale, "init_scale", where)
         _check_positive_number(scale_factor, "scale_factor", where, minimum=1.0)
         if isinstance(scale_window, bool) or not isinstance(scale_window, numbers.Integral):
             raise TypeError(f"{where}: scale_window must be an int, got {scale_window!r}.")
@@ -98,5 +110,5 @@ class DynamicLossScaler(_ScalerBase):
             self.cur_scale = max(self.cur_scale / self.scale_factor, 1)
             self.last_overflow_iter = self.cur_iter
         elif (self.cur_iter - self.last_overflow_iter) % self.scale_window == 0:
-            self.cur_scale *= self.scale_factor
+            self.cur_scale = min(self.cur_scale * self.scale_factor, _FP32.max)
         self.cur_iter += 1

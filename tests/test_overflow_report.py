@@ -1,8 +1,12 @@
-"""Overflow that never ends: NonFiniteGradientsError, rate-limited skip messages, verbosity=0."""
+"""Overflow that never ends: NonFiniteGradientsError, rate-limited skip messages, verbosity=0, and
+overflow that keeps coming back (never consecutive, so never an error) without collapsing the scale."""
 import pytest
+import torch
 
 import amp
-from amp_common import fresh_amp, initialized, train_step  # noqa: F401
+from amp._amp_state import _amp_state
+from amp.scaler import DEFAULT_MIN_LOSS_SCALE
+from amp_common import batch, fresh_amp, initialized, loss_of, net, sgd, train_step  # noqa: F401
 
 
 def test_endless_overflow_raises_naming_the_first_non_finite_parameters():
@@ -15,6 +19,7 @@ def test_endless_overflow_raises_naming_the_first_non_finite_parameters():
     assert "fc1.weight" in message
     assert "6 consecutive steps" in message and "max_consecutive_skips=5" in message
     assert "NaN or inf in the forward pass" in message
+    assert "amp._amp_state.loss_scalers[0].set_scale(2.**16)" in message
 
 
 def test_a_clean_step_resets_the_consecutive_skip_count():
@@ -24,6 +29,7 @@ def test_a_clean_step_resets_the_consecutive_skip_count():
     assert int(amp.skipped_steps(optimizer)) == 4
 
 
+@pytest.mark.filterwarnings("ignore:amp. the dynamic loss scale fell")
 def test_zero_max_consecutive_skips_disables_the_error():
     model, optimizer = initialized("O1", max_consecutive_skips=0)
     for step in range(60):
@@ -31,6 +37,7 @@ def test_zero_max_consecutive_skips_disables_the_error():
     assert int(amp.skipped_steps(optimizer)) == 60
 
 
+@pytest.mark.filterwarnings("ignore:amp. the dynamic loss scale fell")
 def test_skip_messages_are_rate_limited(capsys):
     model, optimizer = initialized("O2", max_consecutive_skips=0, verbosity=1)
     capsys.readouterr()
@@ -46,3 +53,36 @@ def test_verbosity_zero_prints_nothing_at_all(capsys):
     for step in range(20):
         train_step(model, optimizer, step, inject=step % 2 == 0)
     assert capsys.readouterr().out == ""
+
+
+ALTERNATING_STEPS = 600  # 300 overflows: without a floor 2**16 halves past fp32's smallest denormal
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_overflow_on_every_other_step_stops_at_the_floor_with_finite_weights(opt_level):
+    model, optimizer = initialized(opt_level, max_consecutive_skips=5)
+    with pytest.warns(UserWarning, match="loss scale fell to 0.5"):
+        for step in range(ALTERNATING_STEPS):
+            train_step(model, optimizer, step, inject=step % 2 == 0)
+    assert _amp_state.loss_scalers[0].get_scale() == DEFAULT_MIN_LOSS_SCALE
+    assert int(amp.skipped_steps(optimizer)) == ALTERNATING_STEPS // 2
+    for param in list(model.parameters()) + list(amp.master_params(optimizer)):
+        assert torch.isfinite(param).all()
+
+
+@pytest.mark.filterwarnings("ignore:amp. the dynamic loss scale fell")
+def test_overflow_on_every_other_step_equals_fp32_training_on_the_clean_steps():
+    # An fp32 model scaled by powers of two is exact, so the applied steps must match plain fp32
+    # SGD on the same batches bit for bit, at every scale down to the floor.
+    model, optimizer = initialized("O0", loss_scale="dynamic", max_consecutive_skips=5)
+    reference = net()
+    reference_optimizer = sgd(reference.parameters())
+    for step in range(ALTERNATING_STEPS):
+        train_step(model, optimizer, step, inject=step % 2 == 0)
+        if step % 2:
+            loss_of(reference(batch(step))).backward()
+            reference_optimizer.step()
+            reference_optimizer.zero_grad()
+    assert _amp_state.loss_scalers[0].get_scale() == DEFAULT_MIN_LOSS_SCALE
+    for param, expected in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(param, expected)

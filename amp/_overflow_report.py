@@ -5,14 +5,16 @@ on every step then filled the log and halved the scale forever. Here every skip 
 first few are printed, later ones only as periodic summaries, and a streak longer than
 ``max_consecutive_skips`` raises :class:`NonFiniteGradientsError` naming the culprits.
 """
+import logging
+
 import torch
 
 from ._amp_state import maybe_print
 
 __all__ = ["NonFiniteGradientsError", "OverflowReporter"]
 
-# Print the first few skips verbatim (they are normal while a dynamic scale settles), then one
-# summary line every SUMMARY_EVERY skips.
+# Log the first few skips verbatim (they are normal while a dynamic scale settles), then one
+# summary line every SUMMARY_EVERY skips; at WARNING on the ``amp`` logger, from rank 0.
 VERBATIM_SKIPS = 8
 SUMMARY_EVERY = 100
 # How many parameter names an error lists before it says "and N more".
@@ -26,8 +28,9 @@ class NonFiniteGradientsError(RuntimeError):
 class OverflowReporter:
     """Decides, from one optimizer's skip counters, what to print and when to raise."""
 
-    def __init__(self, max_consecutive_skips):
+    def __init__(self, max_consecutive_skips, verbosity=1):
         self.max_consecutive_skips = max_consecutive_skips
+        self.verbosity = verbosity
         self.reported_skips = 0
 
     def report(self, total_skips, consecutive_skips, describe_skip, find_culprits):
@@ -38,14 +41,15 @@ class OverflowReporter:
         if total_skips <= previous:
             return
         if previous < VERBATIM_SKIPS:
-            maybe_print(describe_skip(), rank0=True)
+            self._log(describe_skip())
             if total_skips >= VERBATIM_SKIPS:
-                maybe_print(
-                    f"Gradient overflow: {total_skips} steps skipped so far; further skips are "
-                    f"summarised every {SUMMARY_EVERY} skipped steps.", rank0=True)
+                self._log(f"Gradient overflow: {total_skips} steps skipped so far; further skips "
+                          f"are summarised every {SUMMARY_EVERY} skipped steps.")
         elif total_skips // SUMMARY_EVERY > previous // SUMMARY_EVERY:
-            maybe_print(f"Gradient overflow: {total_skips} steps skipped so far. {describe_skip()}",
-                        rank0=True)
+            self._log(f"Gradient overflow: {total_skips} steps skipped so far. {describe_skip()}")
+
+    def _log(self, message):
+        maybe_print(message, rank0=True, level=logging.WARNING, verbosity=self.verbosity)
 
     def _streak_message(self, consecutive_skips, culprits):
         names = ", ".join(culprits[:NAMES_SHOWN])
@@ -68,5 +72,9 @@ class OverflowReporter:
 
 def non_finite_grad_names(named_tensors):
     """Names, in order, of the tensors in ``(name, tensor)`` pairs whose ``.grad`` is not finite."""
-    return [name for name, t in named_tensors
-            if t.grad is not None and not bool(torch.isfinite(t.grad).all())]
+    return [name for name, t in named_tensors if t.grad is not None and not _all_finite(t.grad)]
+
+
+def _all_finite(grad):
+    values = grad.coalesce()._values() if grad.is_sparse else grad
+    return bool(torch.isfinite(values).all())

@@ -29,7 +29,7 @@ ATTACHED_METHODS = ("_lazy_init_maybe_master_weights", "_master_params_to_model_
 class AmpOptimizerState:
     """Apex's attribute bag, plus the device-side skip signal of the pending and the last step."""
 
-    def __init__(self, master_weights, param_names, max_consecutive_skips, device):
+    def __init__(self, master_weights, param_names, max_consecutive_skips, device, verbosity=1):
         self.master_weights = bool(master_weights)
         self.lazy_init_called = False
         self.already_patched = False  # Apex field; stays False: step is never re-patched here
@@ -43,7 +43,7 @@ class AmpOptimizerState:
         # loss_id -> overflow flag (device tensor) of the backward passes since the last step.
         self.found_inf_by_loss = {}
         self.skips = SkipCounts(device)
-        self.reporter = OverflowReporter(max_consecutive_skips)
+        self.reporter = OverflowReporter(max_consecutive_skips, verbosity)
         # Exact host counts, kept by the path that reads the flag anyway.
         self.host_total_skips = 0
         self.host_consecutive_skips = 0
@@ -505,7 +505,7 @@ def _process_optimizer(optimizer, context, param_names, fp32_values, max_consecu
     """
     properties = context.properties
     stash = AmpOptimizerState(properties.master_weights, dict(param_names), max_consecutive_skips,
-                              _param_device(optimizer))
+                              _param_device(optimizer), context.verbosity)
     stash.context = context
     stash.patch_torch_functions = properties.patch_torch_functions
     stash.fp32_values = fp32_values

@@ -1,5 +1,7 @@
 """Overflow that never ends: NonFiniteGradientsError, rate-limited skip messages, verbosity=0, and
 overflow that keeps coming back (never consecutive, so never an error) without collapsing the scale."""
+import logging
+
 import pytest
 import torch
 
@@ -38,21 +40,32 @@ def test_zero_max_consecutive_skips_disables_the_error():
 
 
 @pytest.mark.filterwarnings("ignore:amp. the dynamic loss scale fell")
-def test_skip_messages_are_rate_limited(capsys):
+def test_skip_messages_are_rate_limited_warnings_of_the_amp_logger(caplog, capsys):
     model, optimizer = initialized("O2", max_consecutive_skips=0, verbosity=1)
-    capsys.readouterr()
-    for step in range(250):
-        train_step(model, optimizer, step, inject=True)
-    lines = capsys.readouterr().out.splitlines()
+    with caplog.at_level(logging.WARNING, logger="amp"):
+        for step in range(250):
+            train_step(model, optimizer, step, inject=True)
+    lines = caplog.messages
     assert 3 <= len(lines) <= 15
+    assert {record.levelno for record in caplog.records} == {logging.WARNING}
     assert lines[0].startswith("Gradient overflow.  Skipping step, loss scaler 0 reducing loss scale to")
-
-
-def test_verbosity_zero_prints_nothing_at_all(capsys):
-    model, optimizer = initialized("O2", verbosity=0, max_consecutive_skips=0)
-    for step in range(20):
-        train_step(model, optimizer, step, inject=step % 2 == 0)
     assert capsys.readouterr().out == ""
+
+
+def test_verbosity_zero_logs_nothing_at_all(caplog, capsys):
+    model, optimizer = initialized("O2", verbosity=0, max_consecutive_skips=0)
+    with caplog.at_level(logging.DEBUG, logger="amp"):
+        for step in range(20):
+            train_step(model, optimizer, step, inject=step % 2 == 0)
+    assert caplog.records == [] and capsys.readouterr().out == ""
+
+
+def test_a_later_initialize_does_not_silence_an_earlier_runs_skip_messages(caplog):
+    model, optimizer = initialized("O2", verbosity=1)
+    initialized("O2", seed=1, verbosity=0)
+    with caplog.at_level(logging.WARNING, logger="amp"):
+        train_step(model, optimizer, 0, inject=True)
+    assert caplog.messages and caplog.messages[0].startswith("Gradient overflow.")
 
 
 ALTERNATING_STEPS = 600  # 300 overflows: without a floor 2**16 halves past fp32's smallest denormal

@@ -69,3 +69,17 @@ def test_a_non_finite_sparse_grad_skips_the_step(opt_level):
     assert not bool(amp.last_step_applied(optimizer))
     for param, old in zip(amp.master_params(optimizer), before):
         assert torch.equal(param.detach(), old)
+
+
+def test_an_endless_sparse_overflow_names_the_embedding():
+    model, tokens = model_and_tokens()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O2", verbosity=0,
+                                      max_consecutive_skips=2)
+    with pytest.raises(amp.NonFiniteGradientsError, match=r"0\.weight"):
+        for step in range(4):
+            with amp.scale_loss(loss_of(model, tokens[step]), optimizer) as scaled_loss:
+                scaled_loss.backward()
+                with torch.no_grad():
+                    model[0].weight.grad._values().view(-1)[0] = float("inf")
+            optimizer.step()

@@ -161,7 +161,7 @@ def _note_model_versions(stash):
 def _refresh_masters_written_elsewhere(stash):
     """Take into its master the value of each low-precision param that something else wrote.
 
-    DDP's broadcast of rank 0's weights, ``load_state_dict`` on a submodule or an in-place edit
+    Runs at the start of every step, before the masters are stepped and copied back. DDP's broadcast of rank 0's weights, ``load_state_dict`` on a submodule or an in-place edit
     changes a param after its master was made; stepping the stale master would write it back
     (and DDP ranks would diverge). A master is kept only if it rounds to the param and was itself
     written since it was made (by a step, or by loading a checkpoint through the model): the param
@@ -186,7 +186,6 @@ def _refresh_masters_written_elsewhere(stash):
 def _prepare_backward_with_master_weights(self):
     stash = self._amp_stash
     self._amp_lazy_init()
-    _refresh_masters_written_elsewhere(stash)
     # The masters hold what was accumulated so far; the model's fp16 grads start afresh.
     for param in stash.all_fp16_params:
         if param.grad is not None:
@@ -482,6 +481,8 @@ def _amp_step(self, closure=None, *args, **kwargs):
         raise RuntimeError("Currently, Amp does not support closure use with optimizers under master "
                            "weights (O2/O5): call the closure yourself, then optimizer.step().")
     _check_step_phase(stash)
+    if stash.master_weights:
+        _refresh_masters_written_elsewhere(stash)
     flags_by_loss, stash.found_inf_by_loss = stash.found_inf_by_loss, {}
     casts_off = casting.disable_casts() if stash.patch_torch_functions else contextlib.nullcontext()
     with casts_off:

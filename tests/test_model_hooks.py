@@ -7,7 +7,8 @@ import torch
 from torch import nn
 
 import amp
-from amp_common import MASTER_LEVELS, batch, fresh_amp, initialized, named_masters, net, train_step  # noqa: F401
+from amp_common import (MASTER_LEVELS, batch, fresh_amp, initialized, loss_of, named_masters, net,  # noqa: F401
+                        train_step)
 
 
 @pytest.mark.parametrize("opt_level", MASTER_LEVELS)
@@ -96,6 +97,33 @@ def test_weights_loaded_into_a_submodule_after_initialize_are_not_reverted_by_th
     dtype = model.fc2.weight.dtype
     assert torch.equal(model.fc2.weight, loaded.weight.detach().to(dtype))
     assert torch.equal(named_masters(model, optimizer)["fc2.weight"], loaded.weight.detach().to(dtype).float())
+
+
+@pytest.mark.parametrize("opt_level", MASTER_LEVELS)
+def test_weights_written_before_a_delay_unscale_accumulation_reach_the_masters(opt_level):
+    # The first backward of the step leaves the grads scaled, so no backward is "prepared": the
+    # written weights must still be taken into the masters before the step copies them back.
+    model, optimizer = initialized(opt_level)
+    optimizer.param_groups[0]["lr"] = 0.0
+    loaded = nn.Linear(8, 2)
+    model.fc2.load_state_dict(loaded.state_dict())
+    for step, delay in ((0, True), (1, False)):
+        with amp.scale_loss(loss_of(model(batch(step))), optimizer, delay_unscale=delay) as scaled:
+            scaled.backward()
+    optimizer.step()
+    dtype = model.fc2.weight.dtype
+    assert torch.equal(model.fc2.weight, loaded.weight.detach().to(dtype))
+
+
+@pytest.mark.parametrize("opt_level", MASTER_LEVELS)
+def test_weights_written_before_a_step_without_backward_are_not_reverted(opt_level):
+    model, optimizer = initialized(opt_level)
+    loaded = nn.Linear(8, 2)
+    model.fc2.load_state_dict(loaded.state_dict())
+    with pytest.warns(UserWarning, match="no amp.scale_loss backward"):
+        optimizer.step()
+    dtype = model.fc2.weight.dtype
+    assert torch.equal(model.fc2.weight, loaded.weight.detach().to(dtype))
 
 
 def test_masters_stay_exact_fp32_when_nothing_else_wrote_the_model():

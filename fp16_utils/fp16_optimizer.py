@@ -123,19 +123,19 @@ class FP16_Optimizer:
 
     def _make_masters(self):
         # Check every param before replacing any, so a bad one leaves the optimizer untouched.
+        # Frozen floating params are checked too: they may be unfrozen later.
         for i, group in enumerate(self.optimizer.param_groups):
             for j, param in enumerate(group["params"]):
-                if param.requires_grad:
+                if param.requires_grad or param.is_floating_point():
                     check_param_dtypes([param], f"FP16_Optimizer (param group {i}, param {j})")
         self.fp16_groups = []
         self.fp32_from_fp16_groups = []
         self.fp32_from_fp32_groups = []
         for i, group in enumerate(self.optimizer.param_groups):
             self.maybe_print(f"FP16_Optimizer processing param group {i}:")
-            for param in group["params"]:
-                if param.requires_grad:
-                    self.maybe_print(f"FP16_Optimizer received {param.dtype} with {tuple(param.shape)}")
             fp16_params, fp32_from_fp16, fp32_params = swap_in_fp32_masters(self.optimizer, group)
+            for param in fp16_params + fp32_params:
+                self.maybe_print(f"FP16_Optimizer received {param.dtype} with {tuple(param.shape)}")
             self.fp16_groups.append(fp16_params)
             self.fp32_from_fp16_groups.append(fp32_from_fp16)
             self.fp32_from_fp32_groups.append(fp32_params)

@@ -41,17 +41,20 @@ def check_param_dtypes(params, where):
 
 
 def swap_in_fp32_masters(optimizer, group, exact_fp32=None):
-    """Replace each trainable fp16/bf16 param of ``group`` by an fp32 master, in place.
+    """Replace each fp16/bf16 param of ``group`` by an fp32 master, in place.
 
-    The master takes the param's slot in ``group["params"]`` and its optimizer state, so the
-    optimizer steps the master from then on. Its value is ``exact_fp32[id(param)]`` when given
-    (amp passes the values from before the model was cast), else the param's own, widened.
-    Returns ``(low-precision params, their masters, fp32 params kept as they are)``.
+    Frozen params get masters too, and frozen fp32 params are kept: a param unfrozen later must
+    still have its grad unscaled and be stepped in fp32. The master takes the param's slot in
+    ``group["params"]`` and its optimizer state, so the optimizer steps the master from then on.
+    Its value is ``exact_fp32[id(param)]`` when given (amp passes the values from before the
+    model was cast), else the param's own, widened. Non-floating params, which can never have a
+    grad, are left out. Returns ``(low-precision params, their masters, other params kept as
+    they are)``.
     """
     exact_fp32 = exact_fp32 or {}
     low_precision, masters, kept = [], [], []
     for index, param in enumerate(group["params"]):
-        if not param.requires_grad:
+        if not (param.requires_grad or param.is_floating_point()):
             continue
         if param.dtype in LOW_PRECISION_DTYPES:
             value = exact_fp32.get(id(param))

@@ -9,10 +9,9 @@ import functools
 import torch
 from torch import nn
 
-from fp16_utils.fp16util import convert_network
-
 from . import casting
 from ._amp_state import _amp_state, warn_or_err
+from ._master_weights import convert_network
 from ._process_optimizer import _process_optimizer
 from .scaler import LossScaler
 
@@ -127,8 +126,6 @@ def _register_fp32_state_dict_hooks(model, master_of):
 
 def _initialize(models, optimizers, properties, num_losses, cast_model_outputs, scaler_options,
                 max_consecutive_skips, overflow_process_group):
-    from fp16_utils import FP16_Optimizer
-
     if isinstance(models, nn.Module):
         models_was_list = False
         models = [models]
@@ -151,7 +148,7 @@ def _initialize(models, optimizers, properties, num_losses, cast_model_outputs, 
         raise TypeError("optimizers must be either a single optimizer or a list of optimizers, got "
                         f"{type(optimizers).__name__}.")
     for optimizer in optimizers:
-        if isinstance(optimizer, FP16_Optimizer):
+        if getattr(optimizer, "_is_fp16_utils_optimizer", False) is True:
             raise RuntimeError("An incoming optimizer is an instance of fp16_utils.FP16_Optimizer. "
                                "amp.initialize creates its own master weights and loss scaling: pass "
                                "the plain torch.optim optimizer instead.")

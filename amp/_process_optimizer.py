@@ -12,10 +12,9 @@ import types
 
 import torch
 
-from fp16_utils.fp16util import swap_in_fp32_masters
-
 from . import casting
 from ._amp_state import _amp_state
+from ._master_weights import swap_in_fp32_masters
 from ._overflow_report import OverflowReporter, non_finite_grad_names
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)

@@ -7,11 +7,11 @@ import numbers
 
 import torch
 
+from amp._master_weights import check_param_dtypes, swap_in_fp32_masters
 from amp.multi_tensor_apply import multi_tensor_applier, multi_tensor_scale
 from amp.scaler import LossScaler
 
 from ._deprecation import deprecated_warning
-from .fp16util import LOW_PRECISION_DTYPES, check_param_dtypes, swap_in_fp32_masters
 
 __all__ = ["FP16_Optimizer"]
 
@@ -65,6 +65,10 @@ class FP16_Optimizer:
     Unlike Apex, ``backward`` may be called several times before ``step``: each call's grads are
     added, unscaled once each, to the master grads (Apex unscaled the fp32 params' grads again).
     """
+
+    # amp.initialize recognises (and refuses) an FP16_Optimizer by this mark, so that amp need
+    # not import fp16_utils.
+    _is_fp16_utils_optimizer = True
 
     def __init__(self, init_optimizer, static_loss_scale=1.0, dynamic_loss_scale=False,
                  dynamic_loss_args=None, verbose=True):

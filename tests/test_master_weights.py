@@ -1,6 +1,9 @@
 """fp32 master weights for every floating param, whether or not it requires grad when the masters
 are made, checked against plain fp32 PyTorch trained on the same data with the same freeze schedule."""
 import copy
+import pathlib
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -106,3 +109,40 @@ def test_FP16_Optimizer_param_frozen_at_construction_trains_like_fp32_once_unfro
     masters = lambda: [p for group in optimizer.param_groups for p in group["params"]]  # noqa: E731
     snapshots = train_and_snapshot(model, masters, steps, train_step)
     assert_tracks_fp32_reference(snapshots, reference, model, dtype)
+
+
+# ---------------------------------------------------------------- one-way dependency
+
+def run_python(code):
+    """Run ``code`` in a fresh interpreter (so nothing is imported yet) from the repository root."""
+    root = pathlib.Path(__file__).resolve().parent.parent
+    result = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_importing_amp_does_not_import_fp16_utils():
+    code = ("import sys, torch, amp\n"
+            "model, opt = amp.initialize(torch.nn.Linear(2, 2), torch.optim.SGD(torch.nn.Linear(2, 2)"
+            ".parameters(), lr=0.1), opt_level='O2', verbosity=0)\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'fp16_utils'))")
+    assert run_python(code).strip() == "[]"
+
+
+def test_importing_fp16_utils_first_works_and_shares_amps_helpers():
+    code = ("import fp16_utils, amp, amp._master_weights as mw, fp16_utils.fp16util as util\n"
+            "assert fp16_utils.convert_network is mw.convert_network\n"
+            "assert util.swap_in_fp32_masters is mw.swap_in_fp32_masters\n"
+            "assert util.check_param_dtypes is mw.check_param_dtypes\n"
+            "for name in fp16_utils.__all__: getattr(fp16_utils, name)\n"
+            "print('ok')")
+    assert run_python(code).strip() == "ok"
+
+
+def test_amp_initialize_refuses_an_FP16_Optimizer():
+    model = net().half()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecatedFeatureWarning)
+        optimizer = FP16_Optimizer(sgd(model.parameters()), verbose=False)
+    with pytest.raises(RuntimeError, match="is an instance of fp16_utils.FP16_Optimizer"):
+        amp.initialize(model.float(), [optimizer], opt_level="O2", verbosity=0)

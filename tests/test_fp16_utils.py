@@ -861,6 +861,53 @@ def test_FP16_Optimizer_bad_param_leaves_optimizer_untouched():
     assert inner.param_groups[0]["params"] == list(good.parameters())
 
 
+def test_FP16_Optimizer_accepts_int_flags_as_apex_did():
+    model = MixedNet(torch.float16)
+    opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), dynamic_loss_scale=1, verbose=0)
+    assert opt.dynamic_loss_scale is True and opt.verbose is False
+    assert opt.loss_scale == 2.0**16
+
+
+def amp_initialized_sgd(model):
+    import amp
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    return amp.initialize(model.float(), optimizer, opt_level="O2", verbosity=0)[1]
+
+
+@pytest.mark.parametrize("make_inner, kwargs, error, match", [
+    (None, dict(verbose="False"), TypeError, "verbose must be True or False"),
+    (None, dict(verbose=-1), TypeError, "verbose must be True or False"),
+    (None, dict(dynamic_loss_scale=True, static_loss_scale="dynamic"), TypeError, "static_loss_scale"),
+    (None, dict(dynamic_loss_scale=True, static_loss_scale=float("nan")), ValueError, "static_loss_scale"),
+    (None, dict(dynamic_loss_scale=True, dynamic_loss_args={"init_scale": -1.0}), ValueError, "init_scale"),
+    (None, dict(dynamic_loss_scale=True, dynamic_loss_args=[("init_scale", 8.0)]), TypeError, "must be a dict"),
+    (None, dict(dynamic_loss_scale=True, dynamic_loss_args={1: 2, "a": 3}), ValueError, r"unknown .*\[1, 'a'\]"),
+    (lambda m: FP16_Optimizer(torch.optim.SGD(m.parameters(), lr=0.1), verbose=False).optimizer, {},
+     RuntimeError, "already wrapped by an FP16_Optimizer"),
+    (amp_initialized_sgd, {}, RuntimeError, "went through amp.initialize"),
+])
+def test_FP16_Optimizer_rejected_construction_changes_nothing(make_inner, kwargs, error, match):
+    model = MixedNet(torch.float16)
+    inner = make_inner(model) if make_inner else torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    params = [p for g in inner.param_groups for p in g["params"]]
+    values = [p.detach().clone() for p in params]
+    state = copy.deepcopy(inner.state_dict())
+    attributes = set(vars(inner))
+    with pytest.raises(error, match=match):
+        FP16_Optimizer(inner, **kwargs)
+    assert [p for g in inner.param_groups for p in g["params"]] == params
+    assert_bit_equal(params, values)
+    assert inner.state_dict() == state and set(vars(inner)) == attributes
+
+
+def test_FP16_Optimizer_refuses_a_frozen_param_of_a_dtype_it_cannot_unfreeze():
+    model = nn.Linear(2, 2).half()
+    model.bias.data = model.bias.data.double()
+    model.bias.requires_grad_(False)
+    with pytest.raises(TypeError, match=r"param 1.*torch.float64"):
+        FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), verbose=False)
+
+
 def test_FP16_Optimizer_refuses_pickling():
     import pickle
     opt = make_fp16_optimizer(MixedNet(torch.float16))
@@ -883,7 +930,7 @@ def test_loss_scale_and_forwarded_properties():
     (lambda m: FP16_Optimizer(torch.optim.SGD(m.double().parameters(), lr=1.0), verbose=False),
      TypeError, "torch.float64"),
     (lambda m: make_fp16_optimizer(m, static_loss_scale=-1.0), ValueError, "static_loss_scale"),
-    (lambda m: make_fp16_optimizer(m, dynamic_loss_scale=1), TypeError, "dynamic_loss_scale"),
+    (lambda m: make_fp16_optimizer(m, dynamic_loss_scale="yes"), TypeError, "dynamic_loss_scale"),
     (lambda m: make_fp16_optimizer(m, dynamic_loss_scale=True, dynamic_loss_args={"window": 3}),
      ValueError, "unknown dynamic_loss_args"),
     (lambda m: make_fp16_optimizer(m, dynamic_loss_args={"init_scale": 8.0}), ValueError, "only used with"),

@@ -2,6 +2,7 @@
 
 Kept for code written against Apex's ``fp16_utils``; new code should use ``amp.initialize``.
 """
+import logging
 import math
 import numbers
 
@@ -14,6 +15,8 @@ from amp.scaler import LossScaler
 from ._deprecation import deprecated_warning
 
 __all__ = ["FP16_Optimizer"]
+
+logger = logging.getLogger("fp16_utils")
 
 _DYNAMIC_LOSS_ARGS = ("init_scale", "scale_factor", "scale_window", "min_loss_scale", "max_loss_scale")
 _STATE_DICT_KEYS = ("loss_scaler", "dynamic_loss_scale", "overflow", "first_closure_call_this_step",
@@ -114,7 +117,9 @@ class FP16_Optimizer:
         dynamic_loss_scale (bool): let ``amp.scaler.LossScaler("dynamic")`` pick the scale.
         dynamic_loss_args (dict, optional): keyword arguments for that scaler: ``init_scale``,
             ``scale_factor``, ``scale_window``, ``min_loss_scale``, ``max_loss_scale``.
-        verbose (bool): print each param group's contents and the overflow messages.
+        verbose (bool): log (``logging.getLogger("fp16_utils")``) each param group's contents at
+            info level and each skipped step at warning level. The deprecation notice is a
+            ``DeprecatedFeatureWarning`` either way, filtered like any other warning.
 
     The flags also take ints (``verbose=0``), as Apex's truth tests did. A rejected construction
     leaves ``init_optimizer`` untouched; so does wrapping an optimizer twice, or one that went
@@ -137,10 +142,9 @@ class FP16_Optimizer:
         loss_scaler = _make_loss_scaler(static_loss_scale, dynamic_loss_scale, dynamic_loss_args)
         _check_params(init_optimizer)
 
-        print("Warning:  FP16_Optimizer is deprecated and dangerous, and will be deleted soon.  "
-              "For mixed precision, use amp.initialize with opt_level='O2' (or 'O5' for bfloat16).")
-        deprecated_warning("fp16_utils.FP16_Optimizer is deprecated and will be removed. "
-                           "Use amp.initialize and amp.scale_loss instead.")
+        deprecated_warning("fp16_utils.FP16_Optimizer is deprecated and dangerous, and will be removed. "
+                           "For mixed precision, use amp.initialize with opt_level='O2' (or 'O5' for "
+                           "bfloat16) and amp.scale_loss instead.")
         self.verbose = verbose
         self.optimizer = init_optimizer
         self.loss_scaler = loss_scaler
@@ -178,8 +182,13 @@ class FP16_Optimizer:
         self.optimizer.load_state_dict(self.optimizer.state_dict())
 
     def maybe_print(self, msg):
+        """Log progress at info level when ``verbose`` (Apex printed it)."""
         if self.verbose:
-            print(msg)
+            logger.info(msg)
+
+    def _maybe_warn(self, msg):
+        if self.verbose:
+            logger.warning(msg)
 
     def __getstate__(self):
         raise RuntimeError("FP16_Optimizer should be serialized using state_dict().")
@@ -303,8 +312,8 @@ class FP16_Optimizer:
         ``None`` while the grads have overflowed."""
         self._flush_pending_grads()
         if self.overflow:
-            self.maybe_print("Warning:  calling FP16_Optimizer.inspect_master_grad_data while in an overflow "
-                  "state.  Gradients are currently invalid (may be inf, nan, or stale).  Returning None.")
+            self._maybe_warn("Calling FP16_Optimizer.inspect_master_grad_data while in an overflow state: "
+                             "the gradients are invalid (may be inf, nan, or stale). Returning None.")
             return None
         return [[None if p.grad is None else p.grad.data for p in group["params"]]
                 for group in self.optimizer.param_groups]
@@ -319,7 +328,7 @@ class FP16_Optimizer:
             return self._step_with_closure(closure)
         self._flush_pending_grads()
         if self.overflow:
-            self.maybe_print("Gradient overflow.  Skipping step, reducing loss scale to "
+            self._maybe_warn("Gradient overflow.  Skipping step, reducing loss scale to "
                              f"{self.loss_scaler.loss_scale()}")
             self._clear_master_grads()
             return None
@@ -346,7 +355,7 @@ class FP16_Optimizer:
                         "does not help, so the loss or the grads are not finite for another reason. "
                         "Check the closure zeroes the grads (optimizer.zero_grad()) and the model's inputs.")
                 retries += 1
-                self.maybe_print("OVERFLOW within closure! Skipping step, reducing loss scale to "
+                self._maybe_warn("OVERFLOW within closure! Skipping step, reducing loss scale to "
                                  f"{self.loss_scaler.loss_scale()}")
                 self._clear_master_grads()
                 loss = closure()

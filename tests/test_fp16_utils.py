@@ -1,6 +1,7 @@
 """fp16_utils against plain PyTorch references computed beside each test on the same data."""
 import copy
 import io
+import logging
 import warnings
 
 import pytest
@@ -432,26 +433,38 @@ def test_DynamicLossScaler_does_not_warn():
         DynamicLossScaler()
 
 
-def test_FP16_Optimizer_prints_deprecation_once_and_nothing_else_when_not_verbose(capsys):
-    model = MixedNet(torch.float16)
-    opt = make_fp16_optimizer(model, dynamic_loss_scale=True)
+def overflow_once(opt, model):
     x, y = batches(1)[0]
     opt.backward(loss_fn(model, x, y) * float("inf"))
     opt.step()
-    out = capsys.readouterr().out
-    assert out.count("FP16_Optimizer is deprecated and dangerous") == 1
-    assert "processing param group" not in out and "Gradient overflow" not in out
 
 
-def test_FP16_Optimizer_verbose_prints_groups_and_skips(capsys):
+@pytest.mark.parametrize("verbose", [False, 0])
+def test_FP16_Optimizer_not_verbose_logs_nothing_and_only_warns_deprecation(verbose, caplog, capsys):
+    caplog.set_level(logging.DEBUG, logger="fp16_utils")
+    model = MixedNet(torch.float16)
+    overflow_once(make_fp16_optimizer(model), model)  # amp's one-time notice about amp_C, if any
+    capsys.readouterr()
+    with pytest.warns(DeprecatedFeatureWarning) as deprecations:
+        opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), dynamic_loss_scale=True,
+                             verbose=verbose)
+    overflow_once(opt, model)
+    assert opt.inspect_master_grad_data() is None
+    assert [str(w.message) for w in deprecations if "deprecated and dangerous" in str(w.message)] != []
+    assert len(deprecations) == 1
+    assert caplog.records == [] and capsys.readouterr() == ("", "")
+
+
+def test_FP16_Optimizer_verbose_logs_groups_as_info_and_skips_as_warnings(caplog, capsys):
+    caplog.set_level(logging.INFO, logger="fp16_utils")
     model = MixedNet(torch.float16)
     opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), dynamic_loss_scale=True)
-    x, y = batches(1)[0]
-    opt.backward(loss_fn(model, x, y) * float("inf"))
-    opt.step()
-    out = capsys.readouterr().out
-    assert "processing param group 0" in out
-    assert "Gradient overflow.  Skipping step, reducing loss scale to 32768.0" in out
+    overflow_once(opt, model)
+    records = [(r.name, r.levelno, r.getMessage()) for r in caplog.records]
+    assert ("fp16_utils", logging.INFO, "FP16_Optimizer processing param group 0:") in records
+    assert ("fp16_utils", logging.WARNING,
+            "Gradient overflow.  Skipping step, reducing loss scale to 32768.0") in records
+    assert capsys.readouterr() == ("", "")
 
 
 # ---------------------------------------------------------------- FP16_Optimizer

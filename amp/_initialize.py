@@ -7,10 +7,9 @@ import functools
 import torch
 from torch import nn
 
-from fp16_utils.fp16util import convert_network
-
 from . import casting
 from ._amp_state import _amp_state, warn_or_err
+from ._master_weights import convert_network
 from ._model_hooks import cast_forward, register_fp32_state_dict_hooks, to_type
 from ._process_optimizer import ATTACHED_METHODS, _process_optimizer
 from .scaler import LossScaler
@@ -58,17 +57,20 @@ def _as_optimizer_list(optimizers):
         return [], None
     if isinstance(optimizers, (list, tuple)):
         return list(optimizers), type(optimizers)
-    if isinstance(optimizers, torch.optim.Optimizer):
-        return [optimizers], "single"
+    if isinstance(optimizers, torch.optim.Optimizer) or _is_fp16_optimizer(optimizers):
+        return [optimizers], "single"  # an FP16_Optimizer is refused with its own message below
     raise TypeError("optimizers must be either a single optimizer or a list of optimizers, got "
                     f"{type(optimizers).__name__}.")
 
 
-def _check_optimizers(optimizers):
-    from fp16_utils import FP16_Optimizer
+def _is_fp16_optimizer(optimizer):
+    # fp16_utils marks its FP16_Optimizer so that amp never has to import fp16_utils.
+    return getattr(optimizer, "_is_fp16_utils_optimizer", False) is True
 
+
+def _check_optimizers(optimizers):
     for optimizer in optimizers:
-        if isinstance(optimizer, FP16_Optimizer):
+        if _is_fp16_optimizer(optimizer):
             raise RuntimeError("An incoming optimizer is an instance of fp16_utils.FP16_Optimizer. "
                                "amp.initialize creates its own master weights and loss scaling: pass "
                                "the plain torch.optim optimizer instead.")

@@ -14,9 +14,8 @@ import warnings
 import torch
 from torch.optim.optimizer import required
 
-from fp16_utils.fp16util import swap_in_fp32_masters
-
 from . import casting
+from ._master_weights import swap_in_fp32_masters
 from ._overflow_report import OverflowReporter, non_finite_grad_names
 from ._skip_counts import SkipCounts
 

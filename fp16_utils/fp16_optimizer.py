@@ -2,18 +2,21 @@
 
 Kept for code written against Apex's ``fp16_utils``; new code should use ``amp.initialize``.
 """
+import logging
 import math
 import numbers
 
 import torch
 
+from amp._master_weights import check_param_dtypes, swap_in_fp32_masters
 from amp.multi_tensor_apply import multi_tensor_applier, multi_tensor_scale
 from amp.scaler import LossScaler
 
 from ._deprecation import deprecated_warning
-from .fp16util import LOW_PRECISION_DTYPES, check_param_dtypes, swap_in_fp32_masters
 
 __all__ = ["FP16_Optimizer"]
+
+logger = logging.getLogger("fp16_utils")
 
 _DYNAMIC_LOSS_ARGS = ("init_scale", "scale_factor", "scale_window", "min_loss_scale", "max_loss_scale")
 _STATE_DICT_KEYS = ("loss_scaler", "dynamic_loss_scale", "overflow", "first_closure_call_this_step",
@@ -40,6 +43,59 @@ def _clear_grad(p, set_to_none):
         p.grad.zero_()
 
 
+def _check_optimizer(optimizer):
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"FP16_Optimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}; "
+                        "build the optimizer on the model's params first, then wrap it.")
+    if getattr(optimizer, "_wrapped_by_fp16_optimizer", False):
+        raise RuntimeError("FP16_Optimizer: this optimizer is already wrapped by an FP16_Optimizer "
+                           "(its params are fp32 masters now); keep using that FP16_Optimizer.")
+    if hasattr(optimizer, "_amp_stash"):
+        raise RuntimeError("FP16_Optimizer: this optimizer went through amp.initialize, which already "
+                           "gives it fp32 master weights and loss scaling; use amp.scale_loss instead.")
+
+
+def _as_flag(value, name):
+    """Apex tested these flags for truth, so ints (``verbose=0``) work; a string such as
+    ``"False"`` would be true, and is refused."""
+    if isinstance(value, numbers.Integral) and value >= 0:
+        return bool(value)
+    raise TypeError(f"FP16_Optimizer: {name} must be True or False (or an int >= 0), got {value!r}.")
+
+
+def _make_loss_scaler(static_loss_scale, dynamic_loss_scale, dynamic_loss_args):
+    # Checked even when dynamic scaling ignores it, as a bad value is a bug in the caller.
+    if isinstance(static_loss_scale, bool) or not isinstance(static_loss_scale, numbers.Real):
+        raise TypeError(f"FP16_Optimizer: static_loss_scale must be a number, got {static_loss_scale!r}"
+                        "; for dynamic loss scaling pass dynamic_loss_scale=True.")
+    if not (math.isfinite(static_loss_scale) and static_loss_scale > 0):
+        raise ValueError(f"FP16_Optimizer: static_loss_scale must be a finite number > 0, got "
+                         f"{static_loss_scale!r}.")
+    if not dynamic_loss_scale:
+        if dynamic_loss_args is not None:
+            raise ValueError("FP16_Optimizer: dynamic_loss_args is only used with "
+                             "dynamic_loss_scale=True; pass that too, or drop dynamic_loss_args.")
+        return LossScaler(float(static_loss_scale))
+    if dynamic_loss_args is None:
+        dynamic_loss_args = {}
+    if not isinstance(dynamic_loss_args, dict):
+        raise TypeError(f"FP16_Optimizer: dynamic_loss_args must be a dict, got "
+                        f"{type(dynamic_loss_args).__name__}.")
+    unknown = [key for key in dynamic_loss_args if key not in _DYNAMIC_LOSS_ARGS]
+    if unknown:
+        raise ValueError(f"FP16_Optimizer: unknown dynamic_loss_args {unknown}; the allowed keys "
+                         f"are {list(_DYNAMIC_LOSS_ARGS)}.")
+    return LossScaler("dynamic", **dynamic_loss_args)
+
+
+def _check_params(optimizer):
+    # Frozen floating params are checked too: they get masters, as they may be unfrozen later.
+    for i, group in enumerate(optimizer.param_groups):
+        for j, param in enumerate(group["params"]):
+            if param.requires_grad or param.is_floating_point():
+                check_param_dtypes([param], f"FP16_Optimizer (param group {i}, param {j})")
+
+
 class FP16_Optimizer:
     """Wrap ``init_optimizer``, whose params may be fp16 or bf16 (or fp32), so that it steps fp32
     master copies of the low-precision params and copies the result back into the model.
@@ -56,41 +112,39 @@ class FP16_Optimizer:
     Args:
         init_optimizer: the ``torch.optim.Optimizer`` built on the model's params. Its
             low-precision params are replaced by fp32 masters (and its state re-keyed to them).
-        static_loss_scale (float): the fixed scale used when ``dynamic_loss_scale`` is False.
+        static_loss_scale (float): the fixed scale used when ``dynamic_loss_scale`` is False
+            (checked either way).
         dynamic_loss_scale (bool): let ``amp.scaler.LossScaler("dynamic")`` pick the scale.
         dynamic_loss_args (dict, optional): keyword arguments for that scaler: ``init_scale``,
             ``scale_factor``, ``scale_window``, ``min_loss_scale``, ``max_loss_scale``.
-        verbose (bool): print each param group's contents and the overflow messages.
+        verbose (bool): log (``logging.getLogger("fp16_utils")``) each param group's contents at
+            info level and each skipped step at warning level. The deprecation notice is a
+            ``DeprecatedFeatureWarning`` either way, filtered like any other warning.
+
+    The flags also take ints (``verbose=0``), as Apex's truth tests did. A rejected construction
+    leaves ``init_optimizer`` untouched; so does wrapping an optimizer twice, or one that went
+    through ``amp.initialize``, which is refused.
 
     Unlike Apex, ``backward`` may be called several times before ``step``: each call's grads are
     added, unscaled once each, to the master grads (Apex unscaled the fp32 params' grads again).
     """
 
+    # amp.initialize recognises (and refuses) an FP16_Optimizer by this mark, so that amp need
+    # not import fp16_utils.
+    _is_fp16_utils_optimizer = True
+
     def __init__(self, init_optimizer, static_loss_scale=1.0, dynamic_loss_scale=False,
                  dynamic_loss_args=None, verbose=True):
-        if not isinstance(init_optimizer, torch.optim.Optimizer):
-            raise TypeError(f"FP16_Optimizer wraps a torch.optim.Optimizer, got "
-                            f"{type(init_optimizer).__name__}; build the optimizer on the model's "
-                            "params first, then wrap it.")
-        for name, value in (("dynamic_loss_scale", dynamic_loss_scale), ("verbose", verbose)):
-            if not isinstance(value, bool):
-                raise TypeError(f"FP16_Optimizer: {name} must be True or False, got {value!r}.")
-        if dynamic_loss_scale:
-            loss_scaler = LossScaler("dynamic", **self._checked_dynamic_args(dynamic_loss_args))
-        else:
-            if dynamic_loss_args is not None:
-                raise ValueError("FP16_Optimizer: dynamic_loss_args is only used with "
-                                 "dynamic_loss_scale=True; pass that too, or drop dynamic_loss_args.")
-            if (isinstance(static_loss_scale, bool) or not isinstance(static_loss_scale, numbers.Real)
-                    or not math.isfinite(static_loss_scale) or static_loss_scale <= 0):
-                raise ValueError(f"FP16_Optimizer: static_loss_scale must be a finite number > 0, got "
-                                 f"{static_loss_scale!r}.")
-            loss_scaler = LossScaler(float(static_loss_scale))
+        # Everything is checked before init_optimizer is touched: a rejected call changes nothing.
+        _check_optimizer(init_optimizer)
+        dynamic_loss_scale = _as_flag(dynamic_loss_scale, "dynamic_loss_scale")
+        verbose = _as_flag(verbose, "verbose")
+        loss_scaler = _make_loss_scaler(static_loss_scale, dynamic_loss_scale, dynamic_loss_args)
+        _check_params(init_optimizer)
 
-        print("Warning:  FP16_Optimizer is deprecated and dangerous, and will be deleted soon.  "
-              "For mixed precision, use amp.initialize with opt_level='O2' (or 'O5' for bfloat16).")
-        deprecated_warning("fp16_utils.FP16_Optimizer is deprecated and will be removed. "
-                           "Use amp.initialize and amp.scale_loss instead.")
+        deprecated_warning("fp16_utils.FP16_Optimizer is deprecated and dangerous, and will be removed. "
+                           "For mixed precision, use amp.initialize with opt_level='O2' (or 'O5' for "
+                           "bfloat16) and amp.scale_loss instead.")
         self.verbose = verbose
         self.optimizer = init_optimizer
         self.loss_scaler = loss_scaler
@@ -99,6 +153,7 @@ class FP16_Optimizer:
         self.first_closure_call_this_step = True
         self.clip_grad_norm = torch.nn.utils.clip_grad_norm_
         self._make_masters()
+        init_optimizer._wrapped_by_fp16_optimizer = True
         # Grad bookkeeping that makes repeated backward calls accumulate exactly:
         # _grads_pending: a backward ran whose grads are still scaled in the model params.
         # _masters_hold_grads: master grads (and fp32 params' grads) hold unscaled sums.
@@ -108,34 +163,15 @@ class FP16_Optimizer:
         self._masters_hold_grads = False
         self._fp32_stash = None
 
-    @staticmethod
-    def _checked_dynamic_args(dynamic_loss_args):
-        if dynamic_loss_args is None:
-            return {}
-        if not isinstance(dynamic_loss_args, dict):
-            raise TypeError(f"FP16_Optimizer: dynamic_loss_args must be a dict, got "
-                            f"{type(dynamic_loss_args).__name__}.")
-        unknown = sorted(set(dynamic_loss_args) - set(_DYNAMIC_LOSS_ARGS))
-        if unknown:
-            raise ValueError(f"FP16_Optimizer: unknown dynamic_loss_args {unknown}; the allowed keys "
-                             f"are {list(_DYNAMIC_LOSS_ARGS)}.")
-        return dynamic_loss_args
-
     def _make_masters(self):
-        # Check every param before replacing any, so a bad one leaves the optimizer untouched.
-        for i, group in enumerate(self.optimizer.param_groups):
-            for j, param in enumerate(group["params"]):
-                if param.requires_grad:
-                    check_param_dtypes([param], f"FP16_Optimizer (param group {i}, param {j})")
         self.fp16_groups = []
         self.fp32_from_fp16_groups = []
         self.fp32_from_fp32_groups = []
         for i, group in enumerate(self.optimizer.param_groups):
             self.maybe_print(f"FP16_Optimizer processing param group {i}:")
-            for param in group["params"]:
-                if param.requires_grad:
-                    self.maybe_print(f"FP16_Optimizer received {param.dtype} with {tuple(param.shape)}")
             fp16_params, fp32_from_fp16, fp32_params = swap_in_fp32_masters(self.optimizer, group)
+            for param in fp16_params + fp32_params:
+                self.maybe_print(f"FP16_Optimizer received {param.dtype} with {tuple(param.shape)}")
             self.fp16_groups.append(fp16_params)
             self.fp32_from_fp16_groups.append(fp32_from_fp16)
             self.fp32_from_fp32_groups.append(fp32_params)
@@ -146,8 +182,13 @@ class FP16_Optimizer:
         self.optimizer.load_state_dict(self.optimizer.state_dict())
 
     def maybe_print(self, msg):
+        """Log progress at info level when ``verbose`` (Apex printed it)."""
         if self.verbose:
-            print(msg)
+            logger.info(msg)
+
+    def _maybe_warn(self, msg):
+        if self.verbose:
+            logger.warning(msg)
 
     def __getstate__(self):
         raise RuntimeError("FP16_Optimizer should be serialized using state_dict().")
@@ -271,8 +312,8 @@ class FP16_Optimizer:
         ``None`` while the grads have overflowed."""
         self._flush_pending_grads()
         if self.overflow:
-            self.maybe_print("Warning:  calling FP16_Optimizer.inspect_master_grad_data while in an overflow "
-                  "state.  Gradients are currently invalid (may be inf, nan, or stale).  Returning None.")
+            self._maybe_warn("Calling FP16_Optimizer.inspect_master_grad_data while in an overflow state: "
+                             "the gradients are invalid (may be inf, nan, or stale). Returning None.")
             return None
         return [[None if p.grad is None else p.grad.data for p in group["params"]]
                 for group in self.optimizer.param_groups]
@@ -287,7 +328,7 @@ class FP16_Optimizer:
             return self._step_with_closure(closure)
         self._flush_pending_grads()
         if self.overflow:
-            self.maybe_print("Gradient overflow.  Skipping step, reducing loss scale to "
+            self._maybe_warn("Gradient overflow.  Skipping step, reducing loss scale to "
                              f"{self.loss_scaler.loss_scale()}")
             self._clear_master_grads()
             return None
@@ -314,7 +355,7 @@ class FP16_Optimizer:
                         "does not help, so the loss or the grads are not finite for another reason. "
                         "Check the closure zeroes the grads (optimizer.zero_grad()) and the model's inputs.")
                 retries += 1
-                self.maybe_print("OVERFLOW within closure! Skipping step, reducing loss scale to "
+                self._maybe_warn("OVERFLOW within closure! Skipping step, reducing loss scale to "
                                  f"{self.loss_scaler.loss_scale()}")
                 self._clear_master_grads()
                 loss = closure()

@@ -5,6 +5,16 @@ import torch.nn as nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.nn.modules.batchnorm import _BatchNorm
 
+# Shared with amp.initialize; re-exported here, where Apex had them.
+from amp._master_weights import (  # noqa: F401
+    LOW_PRECISION_DTYPES,
+    check_module,
+    check_param_dtypes,
+    convert_module,
+    convert_network,
+    swap_in_fp32_masters,
+)
+
 from ._deprecation import deprecated_warning
 
 __all__ = [
@@ -20,61 +30,6 @@ __all__ = [
     "to_python_float",
     "clip_grad_norm",
 ]
-
-LOW_PRECISION_DTYPES = (torch.float16, torch.bfloat16)
-# Params of these dtypes may be managed: low-precision ones get fp32 masters, fp32 ones are their own.
-SUPPORTED_PARAM_DTYPES = LOW_PRECISION_DTYPES + (torch.float32,)
-
-
-def check_param_dtypes(params, where):
-    """Raise ``TypeError`` unless every param is a tensor of a dtype that fp32 masters can serve."""
-    for i, p in enumerate(params):
-        if not isinstance(p, torch.Tensor):
-            raise TypeError(f"{where}: parameter {i} is a {type(p).__name__}, not a tensor; "
-                            "pass the model's parameters (e.g. model.parameters()).")
-        if p.dtype not in SUPPORTED_PARAM_DTYPES:
-            raise TypeError(
-                f"{where}: parameter {i} (shape {tuple(p.shape)}) has dtype {p.dtype}; wrapped "
-                "parameters must be torch.float16 or torch.bfloat16 (they get fp32 master copies) "
-                "or torch.float32 (kept as they are). Convert the model first, e.g. with "
-                "convert_network(model, torch.float16).")
-
-
-def swap_in_fp32_masters(optimizer, group, exact_fp32=None):
-    """Replace each trainable fp16/bf16 param of ``group`` by an fp32 master, in place.
-
-    The master takes the param's slot in ``group["params"]`` and its optimizer state, so the
-    optimizer steps the master from then on. Its value is ``exact_fp32[id(param)]`` when given
-    (amp passes the values from before the model was cast), else the param's own, widened.
-    Returns ``(low-precision params, their masters, fp32 params kept as they are)``.
-    """
-    exact_fp32 = exact_fp32 or {}
-    low_precision, masters, kept = [], [], []
-    for index, param in enumerate(group["params"]):
-        if not param.requires_grad:
-            continue
-        if param.dtype in LOW_PRECISION_DTYPES:
-            value = exact_fp32.get(id(param))
-            master = nn.Parameter(value if value is not None else param.detach().to(torch.float32, copy=True))
-            group["params"][index] = master
-            if param in optimizer.state:
-                optimizer.state[master] = optimizer.state.pop(param)
-            low_precision.append(param)
-            masters.append(master)
-        else:
-            kept.append(param)
-    return low_precision, masters, kept
-
-
-def _check_module(module, where):
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"{where} expects a torch.nn.Module, got {type(module).__name__}.")
-
-
-def _check_float_dtype(dtype, where):
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise TypeError(f"{where}: dtype must be a floating-point torch.dtype such as "
-                        f"torch.float16 or torch.bfloat16, got {dtype!r}.")
 
 
 def _check_flag(value, name, where):
@@ -111,7 +66,7 @@ class tofp16(nn.Module):
 
 def BN_convert_float(module):
     """Cast every affine batch norm inside ``module`` back to fp32 (its statistics need the range)."""
-    _check_module(module, "BN_convert_float")
+    check_module(module, "BN_convert_float")
     for m in module.modules():
         if isinstance(m, _BatchNorm) and m.affine:
             m.float()
@@ -123,40 +78,8 @@ def network_to_half(network):
 
     Prefer ``FP16Model`` or ``convert_network``, which also keep the batch-norm buffers in fp32.
     """
-    _check_module(network, "network_to_half")
+    check_module(network, "network_to_half")
     return nn.Sequential(tofp16(), BN_convert_float(network.half()))
-
-
-def convert_module(module, dtype):
-    """Convert the floating-point params, grads and buffers of ``module`` itself (not its
-    children) to ``dtype``, keeping the Parameter objects so optimizers still hold them."""
-    _check_module(module, "convert_module")
-    _check_float_dtype(dtype, "convert_module")
-    for param in module.parameters(recurse=False):
-        if param.dtype.is_floating_point:
-            param.data = param.data.to(dtype)
-        if param._grad is not None and param._grad.dtype.is_floating_point:
-            param._grad.data = param._grad.data.to(dtype)
-    for buf in module.buffers(recurse=False):
-        if buf.dtype.is_floating_point:
-            buf.data = buf.data.to(dtype)
-    return module
-
-
-def convert_network(network, dtype):
-    """Convert ``network`` to ``dtype`` in place, except affine batch norm, which stays fp32.
-
-    Non-affine batch norm is converted, running statistics included, as Apex did.
-    """
-    _check_module(network, "convert_network")
-    _check_float_dtype(dtype, "convert_network")
-    for module in network.modules():
-        if isinstance(module, _BatchNorm) and module.affine:
-            continue
-        convert_module(module, dtype)
-        if isinstance(module, nn.RNNBase):
-            module.flatten_parameters()
-    return network
 
 
 class FP16Model(nn.Module):
@@ -170,7 +93,7 @@ class FP16Model(nn.Module):
         deprecated_warning("apex.fp16_utils is deprecated and will be removed. "
                            "Use amp.initialize with opt_level='O2' (or 'O5' for bfloat16) instead.")
         super().__init__()
-        _check_module(network, "FP16Model")
+        check_module(network, "FP16Model")
         if dtype not in LOW_PRECISION_DTYPES:
             raise TypeError(f"FP16Model: dtype must be torch.float16 or torch.bfloat16, got {dtype!r}.")
         self.dtype = dtype
@@ -189,7 +112,7 @@ class FP16Model(nn.Module):
 def prep_param_lists(model, flat_master=False):
     """Return ``(model_params, master_params)``: the params of ``model`` that require grad, and
     fp32 copies of them (one flat fp32 Parameter with ``flat_master=True``) for the optimizer."""
-    _check_module(model, "prep_param_lists")
+    check_module(model, "prep_param_lists")
     _check_flag(flat_master, "flat_master", "prep_param_lists")
     model_params = [p for p in model.parameters() if p.requires_grad]
     check_param_dtypes(model_params, "prep_param_lists")

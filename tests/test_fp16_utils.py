@@ -1,6 +1,7 @@
 """fp16_utils against plain PyTorch references computed beside each test on the same data."""
 import copy
 import io
+import logging
 import warnings
 
 import pytest
@@ -432,26 +433,38 @@ def test_DynamicLossScaler_does_not_warn():
         DynamicLossScaler()
 
 
-def test_FP16_Optimizer_prints_deprecation_once_and_nothing_else_when_not_verbose(capsys):
-    model = MixedNet(torch.float16)
-    opt = make_fp16_optimizer(model, dynamic_loss_scale=True)
+def overflow_once(opt, model):
     x, y = batches(1)[0]
     opt.backward(loss_fn(model, x, y) * float("inf"))
     opt.step()
-    out = capsys.readouterr().out
-    assert out.count("FP16_Optimizer is deprecated and dangerous") == 1
-    assert "processing param group" not in out and "Gradient overflow" not in out
 
 
-def test_FP16_Optimizer_verbose_prints_groups_and_skips(capsys):
+@pytest.mark.parametrize("verbose", [False, 0])
+def test_FP16_Optimizer_not_verbose_logs_nothing_and_only_warns_deprecation(verbose, caplog, capsys):
+    caplog.set_level(logging.DEBUG, logger="fp16_utils")
+    model = MixedNet(torch.float16)
+    overflow_once(make_fp16_optimizer(model), model)  # amp's one-time notice about amp_C, if any
+    capsys.readouterr()
+    with pytest.warns(DeprecatedFeatureWarning) as deprecations:
+        opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), dynamic_loss_scale=True,
+                             verbose=verbose)
+    overflow_once(opt, model)
+    assert opt.inspect_master_grad_data() is None
+    assert [str(w.message) for w in deprecations if "deprecated and dangerous" in str(w.message)] != []
+    assert len(deprecations) == 1
+    assert caplog.records == [] and capsys.readouterr() == ("", "")
+
+
+def test_FP16_Optimizer_verbose_logs_groups_as_info_and_skips_as_warnings(caplog, capsys):
+    caplog.set_level(logging.INFO, logger="fp16_utils")
     model = MixedNet(torch.float16)
     opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), dynamic_loss_scale=True)
-    x, y = batches(1)[0]
-    opt.backward(loss_fn(model, x, y) * float("inf"))
-    opt.step()
-    out = capsys.readouterr().out
-    assert "processing param group 0" in out
-    assert "Gradient overflow.  Skipping step, reducing loss scale to 32768.0" in out
+    overflow_once(opt, model)
+    records = [(r.name, r.levelno, r.getMessage()) for r in caplog.records]
+    assert ("fp16_utils", logging.INFO, "FP16_Optimizer processing param group 0:") in records
+    assert ("fp16_utils", logging.WARNING,
+            "Gradient overflow.  Skipping step, reducing loss scale to 32768.0") in records
+    assert capsys.readouterr() == ("", "")
 
 
 # ---------------------------------------------------------------- FP16_Optimizer
@@ -861,6 +874,53 @@ def test_FP16_Optimizer_bad_param_leaves_optimizer_untouched():
     assert inner.param_groups[0]["params"] == list(good.parameters())
 
 
+def test_FP16_Optimizer_accepts_int_flags_as_apex_did():
+    model = MixedNet(torch.float16)
+    opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), dynamic_loss_scale=1, verbose=0)
+    assert opt.dynamic_loss_scale is True and opt.verbose is False
+    assert opt.loss_scale == 2.0**16
+
+
+def amp_initialized_sgd(model):
+    import amp
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    return amp.initialize(model.float(), optimizer, opt_level="O2", verbosity=0)[1]
+
+
+@pytest.mark.parametrize("make_inner, kwargs, error, match", [
+    (None, dict(verbose="False"), TypeError, "verbose must be True or False"),
+    (None, dict(verbose=-1), TypeError, "verbose must be True or False"),
+    (None, dict(dynamic_loss_scale=True, static_loss_scale="dynamic"), TypeError, "static_loss_scale"),
+    (None, dict(dynamic_loss_scale=True, static_loss_scale=float("nan")), ValueError, "static_loss_scale"),
+    (None, dict(dynamic_loss_scale=True, dynamic_loss_args={"init_scale": -1.0}), ValueError, "init_scale"),
+    (None, dict(dynamic_loss_scale=True, dynamic_loss_args=[("init_scale", 8.0)]), TypeError, "must be a dict"),
+    (None, dict(dynamic_loss_scale=True, dynamic_loss_args={1: 2, "a": 3}), ValueError, r"unknown .*\[1, 'a'\]"),
+    (lambda m: FP16_Optimizer(torch.optim.SGD(m.parameters(), lr=0.1), verbose=False).optimizer, {},
+     RuntimeError, "already wrapped by an FP16_Optimizer"),
+    (amp_initialized_sgd, {}, RuntimeError, "went through amp.initialize"),
+])
+def test_FP16_Optimizer_rejected_construction_changes_nothing(make_inner, kwargs, error, match):
+    model = MixedNet(torch.float16)
+    inner = make_inner(model) if make_inner else torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    params = [p for g in inner.param_groups for p in g["params"]]
+    values = [p.detach().clone() for p in params]
+    state = copy.deepcopy(inner.state_dict())
+    attributes = set(vars(inner))
+    with pytest.raises(error, match=match):
+        FP16_Optimizer(inner, **kwargs)
+    assert [p for g in inner.param_groups for p in g["params"]] == params
+    assert_bit_equal(params, values)
+    assert inner.state_dict() == state and set(vars(inner)) == attributes
+
+
+def test_FP16_Optimizer_refuses_a_frozen_param_of_a_dtype_it_cannot_unfreeze():
+    model = nn.Linear(2, 2).half()
+    model.bias.data = model.bias.data.double()
+    model.bias.requires_grad_(False)
+    with pytest.raises(TypeError, match=r"param 1.*torch.float64"):
+        FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), verbose=False)
+
+
 def test_FP16_Optimizer_refuses_pickling():
     import pickle
     opt = make_fp16_optimizer(MixedNet(torch.float16))
@@ -883,7 +943,7 @@ def test_loss_scale_and_forwarded_properties():
     (lambda m: FP16_Optimizer(torch.optim.SGD(m.double().parameters(), lr=1.0), verbose=False),
      TypeError, "torch.float64"),
     (lambda m: make_fp16_optimizer(m, static_loss_scale=-1.0), ValueError, "static_loss_scale"),
-    (lambda m: make_fp16_optimizer(m, dynamic_loss_scale=1), TypeError, "dynamic_loss_scale"),
+    (lambda m: make_fp16_optimizer(m, dynamic_loss_scale="yes"), TypeError, "dynamic_loss_scale"),
     (lambda m: make_fp16_optimizer(m, dynamic_loss_scale=True, dynamic_loss_args={"window": 3}),
      ValueError, "unknown dynamic_loss_args"),
     (lambda m: make_fp16_optimizer(m, dynamic_loss_args={"init_scale": 8.0}), ValueError, "only used with"),

@@ -10,6 +10,7 @@ gradients, find the same overflows and skip the same steps, so their weights sta
 script checks that at the end.
 """
 import argparse
+import gc
 import os
 import sys
 
@@ -73,7 +74,17 @@ def main(argv=None):
         device = torch.device("cpu")
         backend = "gloo"
     dist.init_process_group(backend)
+    code = train(args, rank, world_size, local_rank, device, backend)
+    # Every DDP object of train() is gone now; the group goes once all ranks are here (gloo aborts
+    # a process whose group is torn down while a peer is still connected, or at interpreter exit).
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
+    return code
 
+
+def train(args, rank, world_size, local_rank, device, backend):
+    """Train this rank's shard; 0 when the ranks agree (and, with --smoke, the loss fell)."""
     common.seed_everything(args.seed)  # same init everywhere (DDP would broadcast rank 0's anyway)
     x_train, y_train, x_test, y_test = common.load_digits_split(args.seed)
     # Each rank takes every world_size-th sample: disjoint shards of the same split.
@@ -119,10 +130,6 @@ def main(argv=None):
               f"{identical}")
     else:
         fell = common.window_mean(losses, False) < common.window_mean(losses, True)
-    # Rank 0 evaluates alone: let every rank get here before the group goes away (gloo aborts a
-    # process that tears its group down while a peer is still connected).
-    dist.barrier()
-    dist.destroy_process_group()
     if not identical:
         return 1
     if args.smoke and not fell:

@@ -160,9 +160,10 @@ def _note_model_versions(stash):
 def _refresh_masters_written_elsewhere(stash):
     """Take into its master the value of each low-precision param that something else wrote.
 
-    Runs at the start of every step, before the masters are stepped and copied back. DDP's broadcast of rank 0's weights, ``load_state_dict`` on a submodule or an in-place edit
-    changes a param after its master was made; stepping the stale master would write it back
-    (and DDP ranks would diverge). A master is kept only if it rounds to the param and was itself
+    Runs at the start of every step, before the masters are stepped and copied back. DDP's
+    broadcast of rank 0's weights, ``load_state_dict`` on a submodule or an in-place edit changes
+    a param after its master was made; stepping the stale master would write it back (and DDP
+    ranks would diverge). A master is kept only if it rounds to the param and was itself
     written since it was made (by a step, or by loading a checkpoint through the model): the param
     was then rounded from it, and its extra fp32 bits are the same on every rank. An untouched
     master holds this process's own initial weights, which another rank's broadcast weights may

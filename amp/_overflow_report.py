@@ -5,11 +5,10 @@ on every step then filled the log and halved the scale forever. Here every skip 
 first few are printed, later ones only as periodic summaries, and a streak longer than
 ``max_consecutive_skips`` raises :class:`NonFiniteGradientsError` naming the culprits.
 """
-import logging
-
 import torch
 
-from ._amp_state import maybe_print
+from ._amp_state import _is_rank_zero
+from ._amp_state import logger as amp_logger
 
 __all__ = ["NonFiniteGradientsError", "OverflowReporter"]
 
@@ -25,12 +24,26 @@ class NonFiniteGradientsError(RuntimeError):
     """Raised when the gradients stayed non-finite for too many consecutive steps."""
 
 
-class OverflowReporter:
-    """Decides, from one optimizer's skip counters, what to print and when to raise."""
+# How the error tells an amp user to raise the limit and to reset the scale.
+AMP_REMEDY = ("Raise max_consecutive_skips in amp.initialize (or set it to 0 to disable this "
+              "check) if the run really needs more skipped steps. To carry on after fixing the "
+              "cause, reset the shrunken loss scale of each loss, e.g. "
+              "amp._amp_state.loss_scalers[0].set_scale(2.**16) for the first, or resume from a "
+              "checkpoint.")
 
-    def __init__(self, max_consecutive_skips, verbosity=1):
+
+class OverflowReporter:
+    """Decides, from one optimizer's skip counters, what to log and when to raise.
+
+    ``logger`` receives the skip messages at WARNING (from rank 0, unless ``verbosity`` is 0);
+    ``remedy`` ends the error with what the caller's user can change.
+    """
+
+    def __init__(self, max_consecutive_skips, verbosity=1, logger=amp_logger, remedy=AMP_REMEDY):
         self.max_consecutive_skips = max_consecutive_skips
         self.verbosity = verbosity
+        self.logger = logger
+        self.remedy = remedy
         self.reported_skips = 0
 
     def report(self, total_skips, consecutive_skips, describe_skip, find_culprits):
@@ -49,7 +62,8 @@ class OverflowReporter:
             self._log(f"Gradient overflow: {total_skips} steps skipped so far. {describe_skip()}")
 
     def _log(self, message):
-        maybe_print(message, rank0=True, level=logging.WARNING, verbosity=self.verbosity)
+        if self.verbosity > 0 and _is_rank_zero():
+            self.logger.warning(message)
 
     def _streak_message(self, consecutive_skips, culprits):
         names = ", ".join(culprits[:NAMES_SHOWN])
@@ -62,11 +76,7 @@ class OverflowReporter:
             f"(limit max_consecutive_skips={self.max_consecutive_skips}), so every step was skipped "
             f"and the loss scale kept shrinking. {where} This usually means a NaN or inf in the "
             "forward pass or in the loss itself (check the inputs, a log/sqrt/division of zero, an "
-            "exploding learning rate), not a loss scale that is too large. Raise "
-            "max_consecutive_skips in amp.initialize (or set it to 0 to disable this check) if the "
-            "run really needs more skipped steps. To carry on after fixing the cause, reset the "
-            "shrunken loss scale of each loss, e.g. amp._amp_state.loss_scalers[0].set_scale(2.**16) "
-            "for the first, or resume from a checkpoint."
+            f"exploding learning rate), not a loss scale that is too large. {self.remedy}"
         )
 
 

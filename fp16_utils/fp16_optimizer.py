@@ -9,6 +9,7 @@ import numbers
 import torch
 
 from amp._master_weights import check_param_dtypes, swap_in_fp32_masters
+from amp._overflow_report import OverflowReporter, non_finite_grad_names
 from amp.multi_tensor_apply import multi_tensor_applier, multi_tensor_scale
 from amp.scaler import LossScaler
 
@@ -17,6 +18,9 @@ from ._deprecation import deprecated_warning
 __all__ = ["FP16_Optimizer"]
 
 logger = logging.getLogger("fp16_utils")
+FP16_REMEDY = ("Raise max_consecutive_skips in FP16_Optimizer(...) (or set it to 0 to disable this "
+               "check) if the run really needs more skipped steps. To carry on after fixing the "
+               "cause, reset the shrunken scale with optimizer.loss_scale = 2.**16.")
 
 _DYNAMIC_LOSS_ARGS = ("init_scale", "scale_factor", "scale_window", "min_loss_scale", "max_loss_scale")
 _STATE_DICT_KEYS = ("loss_scaler", "dynamic_loss_scale", "overflow", "first_closure_call_this_step",
@@ -61,6 +65,12 @@ def _as_flag(value, name):
     if isinstance(value, numbers.Integral) and value >= 0:
         return bool(value)
     raise TypeError(f"FP16_Optimizer: {name} must be True or False (or an int >= 0), got {value!r}.")
+
+
+def _check_max_consecutive_skips(value):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise ValueError("FP16_Optimizer: max_consecutive_skips must be an int >= 0 (0 disables the "
+                         f"check), got {value!r}.")
 
 
 def _make_loss_scaler(static_loss_scale, dynamic_loss_scale, dynamic_loss_args):
@@ -118,8 +128,13 @@ class FP16_Optimizer:
         dynamic_loss_args (dict, optional): keyword arguments for that scaler: ``init_scale``,
             ``scale_factor``, ``scale_window``, ``min_loss_scale``, ``max_loss_scale``.
         verbose (bool): log (``logging.getLogger("fp16_utils")``) each param group's contents at
-            info level and each skipped step at warning level. The deprecation notice is a
-            ``DeprecatedFeatureWarning`` either way, filtered like any other warning.
+            info level and skipped steps at warning level (the first few, then a summary every
+            100). The deprecation notice is a ``DeprecatedFeatureWarning`` either way, filtered
+            like any other warning.
+        max_consecutive_skips (int, keyword-only, new here): raise
+            :class:`amp.NonFiniteGradientsError` naming the params whose grads were not finite
+            after this many skipped steps in a row, instead of halving the scale forever
+            (0 disables the check).
 
     The flags also take ints (``verbose=0``), as Apex's truth tests did. A rejected construction
     leaves ``init_optimizer`` untouched; so does wrapping an optimizer twice, or one that went
@@ -134,11 +149,12 @@ class FP16_Optimizer:
     _is_fp16_utils_optimizer = True
 
     def __init__(self, init_optimizer, static_loss_scale=1.0, dynamic_loss_scale=False,
-                 dynamic_loss_args=None, verbose=True):
+                 dynamic_loss_args=None, verbose=True, *, max_consecutive_skips=50):
         # Everything is checked before init_optimizer is touched: a rejected call changes nothing.
         _check_optimizer(init_optimizer)
         dynamic_loss_scale = _as_flag(dynamic_loss_scale, "dynamic_loss_scale")
         verbose = _as_flag(verbose, "verbose")
+        _check_max_consecutive_skips(max_consecutive_skips)
         loss_scaler = _make_loss_scaler(static_loss_scale, dynamic_loss_scale, dynamic_loss_args)
         _check_params(init_optimizer)
 
@@ -150,6 +166,10 @@ class FP16_Optimizer:
         self.loss_scaler = loss_scaler
         self.dynamic_loss_scale = dynamic_loss_scale
         self.overflow = False
+        self.reporter = OverflowReporter(max_consecutive_skips, verbosity=int(verbose), logger=logger,
+                                         remedy=FP16_REMEDY)
+        self.skipped_steps = 0
+        self.consecutive_skips = 0
         self.first_closure_call_this_step = True
         self.clip_grad_norm = torch.nn.utils.clip_grad_norm_
         self._make_masters()
@@ -218,6 +238,18 @@ class FP16_Optimizer:
             noop_flag = torch.zeros(1, dtype=torch.int32, device=masters[0].device)
             with torch.no_grad():  # the params are leaves that require grad
                 multi_tensor_applier(multi_tensor_scale, noop_flag, [masters, models], 1.0)
+
+    def _report_skip(self):
+        """Count a skipped step; log it (rate-limited), or raise once skips never end."""
+        self.skipped_steps += 1
+        self.consecutive_skips += 1
+        named = ((f"param group {g}: {param.dtype} param of shape {tuple(param.shape)}", param)
+                 for g, (low, fp32) in enumerate(zip(self.fp16_groups, self.fp32_from_fp32_groups))
+                 for param in low + fp32)
+        self.reporter.report(
+            self.skipped_steps, self.consecutive_skips,
+            lambda: f"Gradient overflow.  Skipping step, reducing loss scale to {self.loss_scaler.loss_scale()}",
+            lambda: non_finite_grad_names(named))
 
     def _clear_master_grads(self):
         for group in self.optimizer.param_groups:
@@ -328,10 +360,10 @@ class FP16_Optimizer:
             return self._step_with_closure(closure)
         self._flush_pending_grads()
         if self.overflow:
-            self._maybe_warn("Gradient overflow.  Skipping step, reducing loss scale to "
-                             f"{self.loss_scaler.loss_scale()}")
+            self._report_skip()
             self._clear_master_grads()
             return None
+        self.consecutive_skips = 0
         retval = self.optimizer.step()
         self._master_params_to_model_params()
         return retval

@@ -8,6 +8,8 @@ import pytest
 import torch
 import torch.nn as nn
 
+from amp import NonFiniteGradientsError
+
 from fp16_utils import (
     BN_convert_float,
     DeprecatedFeatureWarning,
@@ -465,6 +467,51 @@ def test_FP16_Optimizer_verbose_logs_groups_as_info_and_skips_as_warnings(caplog
     assert ("fp16_utils", logging.WARNING,
             "Gradient overflow.  Skipping step, reducing loss scale to 32768.0") in records
     assert capsys.readouterr() == ("", "")
+
+
+@pytest.mark.filterwarnings("ignore:amp. the dynamic loss scale fell")
+def test_FP16_Optimizer_skip_messages_are_rate_limited(caplog):
+    caplog.set_level(logging.WARNING, logger="fp16_utils")
+    model = MixedNet(torch.float16)
+    opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), dynamic_loss_scale=True,
+                         max_consecutive_skips=0)
+    for _ in range(250):
+        overflow_once(opt, model)
+    assert 3 <= len(caplog.records) <= 15
+    assert opt.skipped_steps == 250
+
+
+@pytest.mark.parametrize("verbose", [True, False])
+def test_FP16_Optimizer_endless_overflow_raises_naming_the_params_and_changes_nothing(verbose):
+    model = MixedNet(torch.float16)
+    opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), dynamic_loss_scale=True,
+                         verbose=verbose, max_consecutive_skips=3)
+    before = [p.detach().clone() for p in master_params(opt)]
+    for _ in range(3):
+        overflow_once(opt, model)
+    with pytest.raises(NonFiniteGradientsError, match=r"4 consecutive steps.*param group 0.*"
+                                                      r"optimizer\.loss_scale = 2\.\*\*16"):
+        overflow_once(opt, model)
+    assert_bit_equal(master_params(opt), before)
+
+
+def test_FP16_Optimizer_a_clean_step_resets_the_consecutive_count():
+    model = MixedNet(torch.float16)
+    opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), dynamic_loss_scale=True,
+                         max_consecutive_skips=2)
+    x, y = batches(1)[0]
+    for overflow in (True, True, False, True, True):
+        opt.zero_grad()
+        opt.backward(loss_fn(model, x, y) * (float("inf") if overflow else 1.0))
+        opt.step()
+    assert (opt.skipped_steps, opt.consecutive_skips) == (4, 2)
+
+
+@pytest.mark.parametrize("value", [-1, True, 2.5, "3"])
+def test_FP16_Optimizer_rejects_a_bad_max_consecutive_skips(value):
+    with pytest.raises(ValueError, match="max_consecutive_skips"):
+        FP16_Optimizer(torch.optim.SGD(MixedNet(torch.float16).parameters(), lr=0.1),
+                       max_consecutive_skips=value)
 
 
 # ---------------------------------------------------------------- FP16_Optimizer

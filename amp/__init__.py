@@ -5,8 +5,8 @@ from ._overflow_report import NonFiniteGradientsError
 from .casting import (bfloat16_function, disable_casts, float_function, half_function, init,
                       promote_function, register_bfloat16_function, register_float_function,
                       register_half_function, register_promote_function)
-from .frontend import (initialize, last_step_applied, load_state_dict, master_params,
-                       skipped_steps, state_dict)
+from .frontend import (initialize, last_step_applied, load_state_dict, loss_scale,
+                       loss_scale_tensor, loss_scaler, master_params, skipped_steps, state_dict)
 from .handle import scale_loss
 from .scaler import LossScaler
 
@@ -14,8 +14,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "initialize", "scale_loss", "disable_casts", "state_dict", "load_state_dict", "master_params",
-    "last_step_applied", "skipped_steps", "init", "half_function", "float_function",
-    "promote_function", "bfloat16_function", "register_half_function", "register_float_function",
+    "last_step_applied", "skipped_steps", "loss_scale", "loss_scale_tensor", "loss_scaler", "init",
+    "half_function", "float_function", "promote_function", "bfloat16_function", "register_half_function", "register_float_function",
     "register_promote_function", "register_bfloat16_function", "LossScaler",
     "NonFiniteGradientsError", "multi_tensor_apply",
 ]

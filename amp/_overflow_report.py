@@ -28,8 +28,8 @@ class NonFiniteGradientsError(RuntimeError):
 AMP_REMEDY = ("Raise max_consecutive_skips in amp.initialize (or set it to 0 to disable this "
               "check) if the run really needs more skipped steps. To carry on after fixing the "
               "cause, reset the shrunken loss scale of each loss, e.g. "
-              "amp._amp_state.loss_scalers[0].set_scale(2.**16) for the first, or resume from a "
-              "checkpoint.")
+              "amp.loss_scaler(0, optimizer=optimizer).set_scale(2.**16) for the first, or "
+              "resume from a checkpoint.")
 
 
 class OverflowReporter:

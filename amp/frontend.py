@@ -12,7 +12,7 @@ from ._amp_state import AmpContext, _amp_state, maybe_print, warn_or_err
 from ._initialize import _initialize
 
 __all__ = ["initialize", "state_dict", "load_state_dict", "master_params", "last_step_applied",
-           "skipped_steps", "Properties"]
+           "skipped_steps", "loss_scale", "loss_scale_tensor", "loss_scaler", "Properties"]
 
 LOW_PRECISION_OPT_LEVELS = {"O1": torch.float16, "O4": torch.bfloat16}
 CAST_MODEL_TYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -308,6 +308,42 @@ def _stash(optimizer):
     if stash is None:
         raise RuntimeError("This optimizer was not returned by amp.initialize.")
     return stash
+
+
+def _scaler(loss_id, optimizer):
+    if optimizer is not None:
+        context = _stash(optimizer).context
+    elif _amp_state.context is not None and _amp_state.context.enabled:
+        context = _amp_state.context
+    else:
+        raise RuntimeError("amp.loss_scale() needs an enabled amp.initialize call first.")
+    scalers = context.loss_scalers
+    if isinstance(loss_id, bool) or not isinstance(loss_id, int) or not 0 <= loss_id < len(scalers):
+        raise IndexError(f"loss_id={loss_id!r} is out of range: amp.initialize was called with "
+                         f"num_losses={len(scalers)}, so loss_id must be in 0..{len(scalers) - 1}.")
+    return scalers[loss_id]
+
+
+def loss_scale(loss_id=0, optimizer=None):
+    """The current loss scale of loss ``loss_id`` as a Python float (a dynamic scale: one sync).
+
+    ``optimizer`` picks the ``amp.initialize`` call whose scaler is read (default: the latest).
+    Change a scale with ``LossScaler.set_scale`` on the same scaler (``loss_scaler(...)``).
+    """
+    return _scaler(loss_id, optimizer).loss_scale()
+
+
+def loss_scale_tensor(loss_id=0, optimizer=None):
+    """The same as :func:`loss_scale`, as a 0-dim float32 tensor read without a sync.
+
+    It is a copy, taken on the device where the scale lives; it does not follow later updates.
+    """
+    return _scaler(loss_id, optimizer).scale_tensor_copy()
+
+
+def loss_scaler(loss_id=0, optimizer=None):
+    """The :class:`amp.LossScaler` of loss ``loss_id`` (``get_scale``, ``set_scale``, ...)."""
+    return _scaler(loss_id, optimizer)
 
 
 def last_step_applied(optimizer):

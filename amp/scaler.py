@@ -349,6 +349,10 @@ class LossScaler:
         self._place(device)
         return self._scale.view(())
 
+    def scale_tensor_copy(self):
+        """A copy of the current scale: 0-dim float32, on the device where it lives, read without a sync."""
+        return self._scale.detach().clone().view(())
+
     def found_inf(self):
         """The overflow flag of the current backward: 1-element float32, > 0 once grads overflowed."""
         return self._overflow_buf

@@ -85,7 +85,7 @@ def gradient_penalty(args, batches, weight=0.1):
         # Differentiate the SCALED loss, as backward would, so small low-precision gradients do
         # not underflow; then unscale with the same number before using them. If they overflowed,
         # the penalty is inf/NaN, so are the gradients below, and amp skips this step.
-        scale = amp._amp_state.loss_scalers[0].loss_scale()
+        scale = amp.loss_scale(optimizer=optimizer)
         scaled_grads = torch.autograd.grad(loss.float() * scale, params, create_graph=True)
         inv_scale = 1.0 / scale
         squares = [(g * inv_scale).float().pow(2).sum() for g in scaled_grads]

@@ -21,7 +21,7 @@ def test_endless_overflow_raises_naming_the_first_non_finite_parameters():
     assert "fc1.weight" in message
     assert "6 consecutive steps" in message and "max_consecutive_skips=5" in message
     assert "NaN or inf in the forward pass" in message
-    assert "amp._amp_state.loss_scalers[0].set_scale(2.**16)" in message
+    assert "amp.loss_scaler(0, optimizer=optimizer).set_scale(2.**16)" in message
 
 
 def test_a_clean_step_resets_the_consecutive_skip_count():

@@ -169,7 +169,7 @@ def main(argv=None):
             step += 1
             if step % 50 == 0 or step == total_steps:
                 gaps.append(sample_gap(netG, fixed_noise, real_mean))
-                scales = "/".join(f"{s.loss_scale():g}" for s in amp._amp_state.loss_scalers)
+                scales = "/".join(f"{amp.loss_scale(i, optimizerD):g}" for i in range(3))
                 print(f"[{step}/{total_steps}] loss_D {(errD_real + errD_fake).item():.4f} "
                       f"loss_G {errG.item():.4f} "
                       f"sample gap {gaps[-1]:.4f} loss scales (D real/D fake/G) {scales}")

@@ -112,7 +112,7 @@ def train(args, rank, world_size, local_rank, device, backend):
             dist.all_reduce(mean_loss)
             losses.append(mean_loss.item() / world_size)
             if rank == 0 and (len(losses) % 50 == 0 or len(losses) == total_steps):
-                scale = amp._amp_state.loss_scalers[0].loss_scale()
+                scale = amp.loss_scale(optimizer=optimizer)
                 print(f"[{len(losses)}/{total_steps}] mean loss {losses[-1]:.4f} loss scale {scale:g}")
             if len(losses) == total_steps:
                 break

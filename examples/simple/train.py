@@ -93,7 +93,7 @@ def main(argv=None):
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     # amp: after the model is on its device and the optimizer is built, before DDP or any wrapper.
     model, optimizer = amp.initialize(model, optimizer, opt_level=args.opt_level, verbosity=0)
-    scaler = amp._amp_state.loss_scalers[0]
+    scaler = amp.loss_scaler(optimizer=optimizer)
 
     steps_per_epoch = len(x_train) // args.batch_size
     total_steps = min(25, steps_per_epoch * args.epochs) if args.smoke else steps_per_epoch * args.epochs

@@ -102,7 +102,8 @@ class _LaggedHostScale:
     def place(self, device):
         self.device = device
         on_cuda = device.type == "cuda"
-        self.buffer = torch.zeros(1, dtype=torch.float32, pin_memory=on_cuda)
+        # On the CPU the scale itself is host memory: it is read in place, nothing is copied.
+        self.buffer = torch.zeros(1, dtype=torch.float32, pin_memory=True) if on_cuda else None
         self.copied = torch.cuda.Event() if on_cuda else None
         self.pending_at = None
 
@@ -111,8 +112,11 @@ class _LaggedHostScale:
         self.value, self.at_update, self.pending_at = value, updates, None
 
     def enqueue(self, scale, updates):
-        self.buffer.copy_(scale, non_blocking=True)
-        if self.copied is not None:
+        if self.copied is None:
+            self.source = scale
+        else:
+            self.source = self.buffer
+            self.buffer.copy_(scale, non_blocking=True)
             # The copy runs on the scale's device's stream, which need not be the current device's.
             self.copied.record(torch.cuda.current_stream(scale.device))
         self.pending_at = updates
@@ -121,7 +125,7 @@ class _LaggedHostScale:
         """Take in the copy in flight if it has landed; returns its value, or None."""
         if self.pending_at is None or (self.copied is not None and not self.copied.query()):
             return None
-        self.set(float(self.buffer.numpy()[0]), self.pending_at)
+        self.set(float(self.source.numpy()[0]), self.pending_at)
         return self.value
 
     def lower_bound(self, updates, backoff_factor, floor):

@@ -8,12 +8,10 @@ compare and with which tolerance.
 """
 import copy
 
-import pytest
 import torch
 from torch import nn
 
 import amp
-from amp._amp_state import _amp_state
 
 LEVELS = ["O0", "O1", "O2", "O3", "O4", "O5"]
 LOW_DTYPE = {"O0": torch.float32, "O1": torch.float16, "O2": torch.float16, "O3": torch.float16,
@@ -21,22 +19,6 @@ LOW_DTYPE = {"O0": torch.float32, "O1": torch.float16, "O2": torch.float16, "O3"
 MASTER_LEVELS = ("O2", "O5")
 # Tolerance of one low-precision rounding of weights, activations and grads against fp32.
 TOLERANCES = {torch.float16: dict(rtol=2e-2, atol=2e-3), torch.bfloat16: dict(rtol=8e-2, atol=2e-2)}
-
-
-@pytest.fixture(autouse=True)
-def fresh_amp():
-    """Each test starts and ends without amp state, O1 patches or loss scalers left behind."""
-    yield
-    if _amp_state.handle is not None:
-        _amp_state.handle._deactivate()
-    _amp_state.handle = None
-    _amp_state.opt_properties = None
-    _amp_state.context = None
-    _amp_state.loss_scalers = []
-    _amp_state.verbosity = 1
-    _amp_state.hard_override = False
-    _amp_state.allow_incoming_model_not_fp32 = False
-    _amp_state.overflow_process_group = None
 
 
 class Net(nn.Module):

@@ -1,40 +1,12 @@
-"""Fixtures and checks shared by the tests/test_casting_*.py files (imported, not collected)."""
+"""Checks and constants shared by the tests/test_casting_*.py files (imported, not collected)."""
 import pytest
 import torch
 
 import amp.casting
-from amp._amp_state import _amp_state
-from amp.casting.registry import consume_registry
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 # Tolerances of one low-precision rounding of inputs, weights and result, against fp32.
 TOLERANCES = {torch.float16: dict(rtol=1e-2, atol=1e-2), torch.bfloat16: dict(rtol=5e-2, atol=5e-2)}
-
-
-@pytest.fixture(params=DEVICES)
-def device(request):
-    return request.param
-
-
-@pytest.fixture(params=[torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-def low(request):
-    """The engine's patch type: fp16 (O1) or bf16 (O4)."""
-    return request.param
-
-
-@pytest.fixture
-def fresh_state():
-    """Leave no handle, patch or pending registration behind."""
-    yield
-    if _amp_state.handle is not None:
-        _amp_state.handle._deactivate()
-    _amp_state.handle = None
-    consume_registry()
-
-
-@pytest.fixture
-def handle(low, fresh_state):
-    return amp.casting.init(patch_type=low)
 
 
 def check_against_fp32(fn, x, in_dtype, expected_dtype, tolerances):

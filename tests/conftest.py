@@ -1,5 +1,12 @@
+"""Fixtures every test file gets without importing them: amp's state reset after each test, and
+the casting engine's device / patch-type / handle fixtures."""
 import pytest
 import torch
+
+import amp.casting
+from amp._amp_state import _amp_state
+from amp.casting.registry import consume_registry
+from casting_common import DEVICES
 
 
 def pytest_collection_modifyitems(config, items):
@@ -9,3 +16,45 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip_cuda)
+
+
+@pytest.fixture(autouse=True)
+def fresh_amp():
+    """Each test starts and ends without amp state, O1 patches or loss scalers left behind."""
+    yield
+    if _amp_state.handle is not None:
+        _amp_state.handle._deactivate()
+    _amp_state.handle = None
+    _amp_state.opt_properties = None
+    _amp_state.context = None
+    _amp_state.loss_scalers = []
+    _amp_state.verbosity = 1
+    _amp_state.hard_override = False
+    _amp_state.allow_incoming_model_not_fp32 = False
+    _amp_state.overflow_process_group = None
+
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    return request.param
+
+
+@pytest.fixture(params=[torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def low(request):
+    """The casting engine's patch type: fp16 (O1) or bf16 (O4)."""
+    return request.param
+
+
+@pytest.fixture
+def fresh_state():
+    """Leave no handle, patch or pending registration behind."""
+    yield
+    if _amp_state.handle is not None:
+        _amp_state.handle._deactivate()
+    _amp_state.handle = None
+    consume_registry()
+
+
+@pytest.fixture
+def handle(low, fresh_state):
+    return amp.casting.init(patch_type=low)

@@ -10,7 +10,6 @@ import amp
 import amp.casting
 from amp._amp_state import _amp_state
 from amp.casting import lists
-from casting_common import device, fresh_state, handle, low  # noqa: F401
 
 
 def _patched_attributes():

@@ -5,8 +5,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import amp.casting
-from casting_common import (TOLERANCES, check_against_fp32, device, fresh_state,  # noqa: F401
-                            handle, low)
+from casting_common import TOLERANCES, check_against_fp32
 
 
 def _inputs(low, *shape, device):

@@ -7,7 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import amp.casting
-from casting_common import TOLERANCES, device, fresh_state, handle, low  # noqa: F401
+from casting_common import TOLERANCES
 
 
 class LowPrecisionUse(nn.Module):

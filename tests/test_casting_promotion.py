@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import amp.casting
-from casting_common import TOLERANCES, device, fresh_state, handle, low  # noqa: F401
+from casting_common import TOLERANCES
 
 
 def _leaf(t, dtype):

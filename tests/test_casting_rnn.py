@@ -5,7 +5,7 @@ import torch.nn as nn
 from torch.nn.utils.rnn import pack_padded_sequence
 
 import amp.casting
-from casting_common import TOLERANCES, device, fresh_state, handle, low  # noqa: F401
+from casting_common import TOLERANCES
 
 T, B, H = 5, 3, 8
 

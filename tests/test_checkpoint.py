@@ -7,8 +7,8 @@ from torch import nn
 
 import amp
 from amp._amp_state import _amp_state
-from amp_common import (LEVELS, MASTER_LEVELS, adam, assert_identical, batch, fresh_amp, initialized,  # noqa: F401
-                        loss_of, net, sgd, snapshot, train_step)
+from amp_common import (LEVELS, MASTER_LEVELS, adam, assert_identical, batch, initialized, loss_of,
+                        net, sgd, snapshot, train_step)
 
 STEPS = 6
 SAVE_AFTER = 3

@@ -6,8 +6,7 @@ import torch
 
 import amp
 from amp._amp_state import _amp_state
-from amp_common import (assert_identical, batch, fresh_amp, initialized, loss_of, net,  # noqa: F401
-                        sgd, train_step)
+from amp_common import assert_identical, batch, initialized, loss_of, net, sgd, train_step
 
 LATER_CALLS = {
     "disabled": dict(enabled=False),

@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 
 import amp
 from amp._amp_state import _amp_state
-from amp_common import batch, fresh_amp, loss_of, named_masters, net, poison_grad, sgd  # noqa: F401
+from amp_common import batch, loss_of, named_masters, net, poison_grad, sgd
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 

@@ -10,7 +10,7 @@ from torch import nn
 import amp
 from amp._amp_state import _amp_state
 from amp.frontend import Properties
-from amp_common import LEVELS, LOW_DTYPE, MASTER_LEVELS, Net, batch, fresh_amp, initialized, net, sgd  # noqa: F401
+from amp_common import LEVELS, LOW_DTYPE, MASTER_LEVELS, batch, initialized, net, sgd
 
 PRESETS = {
     "O0": dict(cast_model_type=torch.float32, patch_torch_functions=False, keep_batchnorm_fp32=None,

@@ -9,7 +9,7 @@ from torch import nn
 
 import amp
 from amp._amp_state import _amp_state
-from amp_common import assert_identical, fresh_amp, initialized, net, sgd, train_step  # noqa: F401
+from amp_common import assert_identical, initialized, net, sgd, train_step
 
 
 class WithParam(nn.Module):

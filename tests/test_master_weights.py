@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import amp
-from amp_common import LOW_DTYPE, MASTER_LEVELS, TOLERANCES, batch, fresh_amp, loss_of, net  # noqa: F401
+from amp_common import LOW_DTYPE, MASTER_LEVELS, TOLERANCES, batch, loss_of, net
 from fp16_utils import DeprecatedFeatureWarning, FP16_Optimizer, convert_network
 
 FROZEN_STEPS = UNFROZEN_STEPS = 3

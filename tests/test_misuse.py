@@ -5,8 +5,7 @@ import pytest
 import torch
 
 import amp
-from amp_common import (assert_identical, batch, fresh_amp, initialized, loss_of, net,  # noqa: F401
-                        sgd, snapshot, train_step)
+from amp_common import assert_identical, batch, initialized, loss_of, net, sgd, snapshot, train_step
 
 
 def _grads(optimizer):

@@ -7,8 +7,7 @@ import torch
 from torch import nn
 
 import amp
-from amp_common import (MASTER_LEVELS, batch, fresh_amp, initialized, loss_of, named_masters, net,  # noqa: F401
-                        train_step)
+from amp_common import MASTER_LEVELS, batch, initialized, loss_of, named_masters, net, train_step
 
 
 @pytest.mark.parametrize("opt_level", MASTER_LEVELS)

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import amp
-from amp_common import assert_identical, fresh_amp, poison_grad  # noqa: F401
+from amp_common import assert_identical, poison_grad
 
 ITERATIONS = 3
 LEVELS = {"O0": dict(loss_scale="dynamic"), "O1": {}, "O2": dict(cast_model_type=False)}

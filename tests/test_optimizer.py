@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import amp
-from amp_common import (LOW_DTYPE, MASTER_LEVELS, assert_identical, batch, fresh_amp, initialized,  # noqa: F401
-                        loss_of, net, poison_grad, sgd, snapshot, train_step)
+from amp_common import (LOW_DTYPE, MASTER_LEVELS, assert_identical, batch, initialized, loss_of,
+                        net, poison_grad, sgd, snapshot, train_step)
 
 
 def test_initialize_attaches_an_amp_stash():

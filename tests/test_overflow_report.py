@@ -8,7 +8,7 @@ import torch
 import amp
 from amp._amp_state import _amp_state
 from amp.scaler import DEFAULT_MIN_LOSS_SCALE
-from amp_common import batch, fresh_amp, initialized, loss_of, net, sgd, train_step  # noqa: F401
+from amp_common import batch, initialized, loss_of, net, sgd, train_step
 
 
 def test_endless_overflow_raises_naming_the_first_non_finite_parameters():

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import amp
-from amp_common import fresh_amp, initialized, train_step  # noqa: F401
+from amp_common import initialized, train_step
 
 
 def test_loss_scale_follows_overflows_of_the_latest_run_and_of_a_given_optimizer():

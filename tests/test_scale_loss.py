@@ -8,7 +8,7 @@ import torch
 
 import amp
 from amp._amp_state import _amp_state
-from amp_common import (TOLERANCES, assert_identical, batch, fresh_amp, initialized, loss_of, net,  # noqa: F401
+from amp_common import (TOLERANCES, assert_identical, batch, initialized, loss_of, net,
                         poison_grad, sgd)
 
 

@@ -7,7 +7,7 @@ import torch
 from amp._amp_state import _amp_state
 from amp.multi_tensor_apply import use_extension
 from amp.scaler import DEFAULT_MIN_LOSS_SCALE, LossScaler
-from amp_common import fresh_amp, initialized  # noqa: F401
+from amp_common import initialized
 
 
 @pytest.fixture(autouse=True)

@@ -11,7 +11,7 @@ from torch import nn
 
 import amp
 from amp._amp_state import _amp_state
-from amp_common import fresh_amp, poison_grad  # noqa: F401
+from amp_common import poison_grad
 
 STEPS = 3000
 INTERVAL = 40

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import amp
-from amp_common import TOLERANCES, fresh_amp  # noqa: F401
+from amp_common import TOLERANCES
 
 LEVELS = {"O0": dict(loss_scale="dynamic"), "O1": {}, "O2": {}, "O5": {}}
 # A dynamic fp16 run skips its first steps while the scale settles; this one never overflows.

@@ -8,8 +8,7 @@ import torch
 
 import amp
 from amp._amp_state import _amp_state
-from amp_common import (TOLERANCES, assert_identical, batch, fresh_amp, initialized, loss_of, net,  # noqa: F401
-                        sgd)
+from amp_common import TOLERANCES, assert_identical, batch, initialized, loss_of, net, sgd
 
 CONFIGS = {"O0": dict(loss_scale="dynamic"), "O2": {}}
 

@@ -174,8 +174,10 @@ def _describe_skip(scalers, overflowed_loss_ids):
 class OptimizerController:
     """One optimizer's amp state and its way through backward passes and steps.
 
-    Subclasses say what is stepped: fp32 masters or the model's own params. The lists they build
-    are plain attributes with Apex's names; ``add_param_group`` rolls them back by length.
+    Subclasses say what is stepped, fp32 masters or the model's own params, through
+    ``init_params``, ``_add_group``, ``model_params``, ``set_grads_aside``, ``unscale_grads`` and
+    ``_restore_grads``. The lists they build are plain attributes with Apex's names;
+    ``add_param_group`` rolls them back by length.
     """
 
     master_weights = False

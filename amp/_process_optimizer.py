@@ -1,12 +1,21 @@
-"""Per-optimizer amp state (``optimizer._amp_stash``) and the methods ``amp.initialize`` attaches.
+"""Per-optimizer amp controller (``optimizer._amp_stash``) and the optimizer methods delegating to it.
 
-``step`` is wrapped exactly once. The wrapper consults the overflow flags that ``scale_loss``
-left on the stash: with an optimizer that accepts ``found_inf`` (torch's ``fused=True`` Adam,
-AdamW, SGD, Adagrad) the flag goes to the optimizer and the host never reads it; otherwise the
-flag is read once and a non-finite step is skipped without calling the optimizer at all. Either
-way a skipped step leaves parameters, optimizer state and step counters untouched.
+``amp.initialize`` gives each optimizer one controller: ``WithMasterWeights`` (O2/O5: fp32
+masters are stepped, then copied into the low-precision model) or ``WithoutMasterWeights`` (the
+model's own params are stepped). It owns the param lists, the grads set aside during a backward,
+the overflow flags and skip counts, and a ``Phase`` that ``scale_loss`` moves with
+``begin_backward``, ``end_backward`` and ``abort_backward``; a call out of order raises from there
+with what to do. Apex's field names (``all_fp16_params``, ``fp16_groups``, ...) are attributes of
+the controller, so code that read Apex's stash keeps working.
+
+``step`` is wrapped exactly once and delegates to the controller, which consults the overflow
+flags that ``scale_loss`` recorded: with an optimizer that accepts ``found_inf`` (torch's
+``fused=True`` Adam, AdamW, SGD, Adagrad) the flag goes to the optimizer and the host never reads
+it; otherwise the flag is read once and a non-finite step is skipped without calling the optimizer
+at all. Either way a skipped step leaves parameters, optimizer state and step counters untouched.
 """
 import contextlib
+import enum
 import functools
 import types
 import warnings
@@ -25,33 +34,13 @@ ATTACHED_METHODS = ("_lazy_init_maybe_master_weights", "_master_params_to_model_
                     "_prepare_amp_backward", "_post_amp_backward", "_amp_lazy_init")
 
 
-class AmpOptimizerState:
-    """Apex's attribute bag, plus the device-side skip signal of the pending and the last step."""
+class Phase(enum.Enum):
+    """Where an optimizer stands between two steps (like GradScaler's ``OptState``)."""
 
-    def __init__(self, master_weights, param_names, max_consecutive_skips, device, verbosity=1):
-        self.master_weights = bool(master_weights)
-        self.lazy_init_called = False
-        self.already_patched = False  # Apex field; stays False: step is never re-patched here
-        self.params_have_scaled_gradients = False
-        # Phase of the GradScaler-like state machine: inside a scale_loss block; unscaled
-        # gradients waiting for step(); step() without scale_loss under master weights (warned once).
-        self.in_scale_loss = False
-        self.unscaled_since_step = False
-        self.warned_step_without_scale_loss = False
-        self.param_names = param_names
-        # loss_id -> overflow flag (device tensor) of the backward passes since the last step.
-        self.found_inf_by_loss = {}
-        self.skips = SkipCounts(device)
-        self.reporter = OverflowReporter(max_consecutive_skips, verbosity)
-        # Exact host counts, kept by the path that reads the flag anyway.
-        self.host_total_skips = 0
-        self.host_consecutive_skips = 0
-
-    def model_params(self):
-        """The model's own parameters this optimizer trains (not the masters)."""
-        if self.master_weights:
-            return self.all_fp16_params + self.all_fp32_from_fp32_params
-        return self.all_fp16_params + self.all_fp32_params
+    READY = "ready"  # no backward was unscaled since the last step
+    IN_BACKWARD = "in backward"  # inside a scale_loss block
+    GRADS_SCALED = "grads scaled"  # a delay_unscale block left the grads scaled
+    UNSCALED = "unscaled"  # the grads are unscaled and wait for step()
 
 
 def _param_device(optimizer):
@@ -67,78 +56,6 @@ def _check_param_type(param, what):
                         f"torch.bfloat16); received a parameter of dtype {param.dtype}.")
 
 
-def _lazy_init_with_master_weights(self):
-    stash = self._amp_stash
-    for name in ("fp16_groups", "fp32_from_fp16_groups", "fp32_from_fp32_groups", "all_fp16_params",
-                 "all_fp32_from_fp16_params", "all_fp32_from_fp32_params", "all_fp16_grad_stash",
-                 "all_fp32_from_fp32_grad_stash", "master_grad_buffers"):
-        setattr(stash, name, [])
-    for group in self.param_groups:
-        _add_master_group(self, group, stash.fp32_values)
-    for param in stash.all_fp32_from_fp16_params + stash.all_fp32_from_fp32_params:
-        param.grad = None
-    # Recast existing optimizer state (momentum, ...) to the masters' fp32.
-    self.load_state_dict(self.state_dict())
-    _note_model_versions(stash)
-
-
-def _add_master_group(optimizer, group, fp32_values):
-    """Swap each low-precision param of ``group`` for an fp32 master and record all three kinds."""
-    stash = optimizer._amp_stash
-    for param in group["params"]:
-        if param.requires_grad:
-            _check_param_type(param, "Optimizer parameters")
-    fp16_params, masters, fp32_params = swap_in_fp32_masters(optimizer, group, fp32_values)
-    for param, master in zip(fp16_params, masters):
-        stash.param_names.setdefault(master, stash.param_names.get(param))
-    stash.fp16_groups.append(fp16_params)
-    stash.fp32_from_fp16_groups.append(masters)
-    stash.fp32_from_fp32_groups.append(fp32_params)
-    stash.all_fp16_params += fp16_params
-    stash.all_fp32_from_fp16_params += masters
-    stash.all_fp32_from_fp32_params += fp32_params
-    stash.all_fp16_grad_stash += [None for _ in fp16_params]
-    stash.master_grad_buffers += [None for _ in masters]
-    stash.all_fp32_from_fp32_grad_stash += [None for _ in fp32_params]
-
-
-def _lazy_init_no_master_weights(self):
-    stash = self._amp_stash
-    stash.all_fp16_params, stash.all_fp32_params = [], []
-    stash.all_fp16_grad_stash, stash.all_fp32_grad_stash = [], []
-    for group in self.param_groups:
-        _add_plain_params(stash, group["params"])
-
-
-def _add_plain_params(stash, params):
-    """Sort params into the low-precision and fp32 lists (no masters), each with a stash slot."""
-    for param in params:
-        _check_param_type(param, "Optimizer parameters")
-        if param.dtype in LOW_PRECISION:
-            stash.all_fp16_params.append(param)
-            stash.all_fp16_grad_stash.append(None)
-        else:
-            stash.all_fp32_params.append(param)
-            stash.all_fp32_grad_stash.append(None)
-
-
-def _amp_lazy_init(self):
-    stash = self._amp_stash
-    if not stash.lazy_init_called:
-        self._lazy_init_maybe_master_weights()
-        stash.lazy_init_called = True
-
-
-def _master_params_to_model_params(self):
-    stash = self._amp_stash
-    if stash.all_fp16_params:
-        # A plain rounding copy, no scaling and no check: PyTorch's foreach copy is the fastest
-        # kernel for it (amp_C's scale-by-1.0 measured 2x slower on CPU for fp32 -> fp16).
-        with torch.no_grad():
-            torch._foreach_copy_(stash.all_fp16_params, stash.all_fp32_from_fp16_params)
-        _note_model_versions(stash)
-
-
 def _stash_and_clear_grads(params, stash_list):
     """Set aside the grads that exist before a backward; they are added back once it is unscaled.
 
@@ -152,52 +69,11 @@ def _stash_and_clear_grads(params, stash_list):
         param.grad = None
 
 
-def _note_model_versions(stash):
-    """Remember each low-precision param's version right after amp wrote it (see below)."""
-    stash.model_versions = [param._version for param in stash.all_fp16_params]
-
-
-def _refresh_masters_written_elsewhere(stash):
-    """Take into its master the value of each low-precision param that something else wrote.
-
-    Runs at the start of every step, before the masters are stepped and copied back. DDP's
-    broadcast of rank 0's weights, ``load_state_dict`` on a submodule or an in-place edit changes
-    a param after its master was made; stepping the stale master would write it back (and DDP
-    ranks would diverge). A master is kept only if it rounds to the param and was itself
-    written since it was made (by a step, or by loading a checkpoint through the model): the param
-    was then rounded from it, and its extra fp32 bits are the same on every rank. An untouched
-    master holds this process's own initial weights, which another rank's broadcast weights may
-    round alike from different fp32 values, so it is replaced. Writes through ``param.data``
-    bypass the version counter and go unseen.
-    """
-    versions = [param._version for param in stash.all_fp16_params]
-    recorded = stash.model_versions
-    if versions == recorded:
-        return
-    with torch.no_grad():
-        for index, (param, master) in enumerate(zip(stash.all_fp16_params, stash.all_fp32_from_fp16_params)):
-            if index < len(recorded) and recorded[index] == versions[index]:
-                continue
-            if master._version == 0 or not torch.equal(master.to(param.dtype), param):
-                master.copy_(param)
-    stash.model_versions = versions
-
-
-def _prepare_backward_with_master_weights(self):
-    stash = self._amp_stash
-    self._amp_lazy_init()
-    # The masters hold what was accumulated so far; the model's fp16 grads start afresh.
-    for param in stash.all_fp16_params:
-        if param.grad is not None:
-            param.grad = None
-    _stash_and_clear_grads(stash.all_fp32_from_fp32_params, stash.all_fp32_from_fp32_grad_stash)
-
-
-def _prepare_backward_no_master_weights(self):
-    stash = self._amp_stash
-    self._amp_lazy_init()
-    _stash_and_clear_grads(stash.all_fp16_params, stash.all_fp16_grad_stash)
-    _stash_and_clear_grads(stash.all_fp32_params, stash.all_fp32_grad_stash)
+def _put_back_grads(params, stash_list):
+    """Put back the grads ``_stash_and_clear_grads`` set aside (a failed backward)."""
+    for index, param in enumerate(params):
+        param.grad = stash_list[index]
+        stash_list[index] = None
 
 
 def _unscaled_sparse(scaler, grad, dtype, previous):
@@ -243,82 +119,7 @@ def _unscale_models_are_masters(scaler, params, stash_list):
         scaler.unscale_with_stashed(with_stash, stashed, with_stash)
 
 
-def _master_grad_buffer(stash, index, master):
-    """The fp32 tensor that receives ``master``'s unscaled grad, allocated once and reused.
-
-    Every step sets the masters' ``.grad`` back to None, so no step sees another's values; reusing
-    the tensor saves an allocation per parameter per step.
-    """
-    buffer = stash.master_grad_buffers[index]
-    if buffer is None:
-        buffer = stash.master_grad_buffers[index] = torch.empty_like(master)
-    return buffer
-
-
-def _post_backward_with_master_weights(self, scaler):
-    stash = self._amp_stash
-    self._amp_lazy_init()
-    fresh_model, fresh_master, acc_model, acc_master = [], [], [], []
-    for index, (param, master) in enumerate(zip(stash.all_fp16_params, stash.all_fp32_from_fp16_params)):
-        grad = param.grad
-        if grad is None:
-            continue
-        if grad.is_sparse:
-            master.grad = _unscaled_sparse(scaler, grad, master.dtype, master.grad)
-        elif master.grad is None:
-            master.grad = _master_grad_buffer(stash, index, master)
-            fresh_model.append(grad)
-            fresh_master.append(master.grad)
-        else:
-            acc_model.append(grad)
-            acc_master.append(master.grad)
-    if fresh_model:
-        scaler.unscale(fresh_model, fresh_master, None)
-    if acc_model:
-        scaler.unscale_with_stashed(acc_model, acc_master, acc_master)
-    _unscale_models_are_masters(scaler, stash.all_fp32_from_fp32_params,
-                                stash.all_fp32_from_fp32_grad_stash)
-
-
-def _post_backward_no_master_weights(self, scaler):
-    stash = self._amp_stash
-    self._amp_lazy_init()
-    _unscale_models_are_masters(scaler, stash.all_fp16_params, stash.all_fp16_grad_stash)
-    _unscale_models_are_masters(scaler, stash.all_fp32_params, stash.all_fp32_grad_stash)
-
-
-def _restore_after_failed_backward(self):
-    """Undo ``_prepare_amp_backward`` when the ``scale_loss`` body raised: nothing is lost."""
-    stash = self._amp_stash
-    if stash.master_weights:
-        for param in stash.all_fp16_params:
-            param.grad = None
-        pairs = [(stash.all_fp32_from_fp32_params, stash.all_fp32_from_fp32_grad_stash)]
-    else:
-        pairs = [(stash.all_fp16_params, stash.all_fp16_grad_stash),
-                 (stash.all_fp32_params, stash.all_fp32_grad_stash)]
-    for params, stash_list in pairs:
-        for index, param in enumerate(params):
-            param.grad = stash_list[index]
-            stash_list[index] = None
-
-
-def _zero_grad_with_master_weights(self, set_to_none=True):
-    stash = self._amp_stash
-    self._amp_lazy_init()
-    for param in stash.all_fp16_params + stash.all_fp32_from_fp32_params:
-        if param.grad is None:
-            continue
-        if set_to_none:
-            param.grad = None
-        else:
-            param.grad.detach_()
-            param.grad.zero_()
-    for master in stash.all_fp32_from_fp16_params:
-        master.grad = None
-
-
-def _validated_param_group(optimizer, new_group):
+def _validated_param_group(optimizer, new_group, tracked_params):
     """A copy of ``new_group`` with its params as a list, checked as torch checks it and against
     the model params amp already tracks. Raises before anything changes."""
     if not isinstance(new_group, dict):
@@ -345,8 +146,7 @@ def _validated_param_group(optimizer, new_group):
     if len({id(p) for p in params}) != len(params):
         raise ValueError("the new param group contains the same parameter more than once; amp would "
                          "unscale and step it twice. Pass each parameter once.")
-    stash = optimizer._amp_stash
-    existing = {id(p) for p in stash.model_params()}
+    existing = {id(p) for p in tracked_params}
     existing.update(id(p) for g in optimizer.param_groups for p in g["params"])
     if any(id(p) in existing for p in params):
         raise ValueError("some parameters appear in more than one parameter group (the new group "
@@ -356,24 +156,6 @@ def _validated_param_group(optimizer, new_group):
             raise ValueError(f"parameter group didn't specify a value of required optimization "
                              f"parameter {name}")
     return group
-
-
-def _add_param_group(self, new_group):
-    """Validate, then add: a rejected group leaves the optimizer and amp's bookkeeping unchanged."""
-    stash = self._amp_stash
-    self._amp_lazy_init()
-    group = _validated_param_group(self, new_group)
-    lengths = {name: len(value) for name, value in vars(stash).items() if isinstance(value, list)}
-    try:
-        if stash.master_weights:
-            _add_master_group(self, group, fp32_values={})
-        else:
-            _add_plain_params(stash, group["params"])
-        stash.original_add_param_group(group)
-    except BaseException:
-        for name, length in lengths.items():
-            del getattr(stash, name)[length:]
-        raise
 
 
 def _combine_flags(flags):
@@ -389,155 +171,442 @@ def _describe_skip(scalers, overflowed_loss_ids):
     return describe
 
 
-def _culprit_finder(self):
-    """A callable listing the names of the parameters (masters and model) whose grads are not finite."""
-    stash = self._amp_stash
+class OptimizerController:
+    """One optimizer's amp state and its way through backward passes and steps.
 
-    def find():
-        params = [p for group in self.param_groups for p in group["params"]]
-        if stash.master_weights:
-            params += stash.all_fp16_params
-        return non_finite_grad_names(
-            (stash.param_names.get(p, f"<parameter {index} of the optimizer>"), p)
-            for index, p in enumerate(params))
-    return find
+    Subclasses say what is stepped, fp32 masters or the model's own params, through
+    ``init_params``, ``_add_group``, ``model_params``, ``set_grads_aside``, ``unscale_grads`` and
+    ``_restore_grads``. The lists they build are plain attributes with Apex's names;
+    ``add_param_group`` rolls them back by length.
+    """
+
+    master_weights = False
+
+    def __init__(self, optimizer, context, param_names, max_consecutive_skips):
+        self.optimizer = optimizer
+        self.context = context
+        self.patch_torch_functions = context.properties.patch_torch_functions
+        self.param_names = param_names
+        self.lazy_init_called = False
+        self.already_patched = False  # Apex field; stays False: step is never re-patched here
+        self.phase = Phase.READY
+        self._phase_before_backward = Phase.READY
+        self._grads_set_aside = False
+        # loss_id -> overflow flag (device tensor) of the backward passes since the last step.
+        self.found_inf_by_loss = {}
+        self.skips = SkipCounts(_param_device(optimizer))
+        self.reporter = OverflowReporter(max_consecutive_skips, context.verbosity)
+        # Exact host counts, kept by the path that reads the flag anyway.
+        self.host_total_skips = 0
+        self.host_consecutive_skips = 0
+        self.original_step = optimizer.step
+        self.original_add_param_group = optimizer.add_param_group
+
+    @property
+    def in_scale_loss(self):
+        """Apex's flag: inside a ``scale_loss`` block."""
+        return self.phase is Phase.IN_BACKWARD
+
+    @property
+    def params_have_scaled_gradients(self):
+        """Apex's flag: a ``delay_unscale`` block left the grads scaled (still so inside a block)."""
+        phase = self._phase_before_backward if self.phase is Phase.IN_BACKWARD else self.phase
+        return phase is Phase.GRADS_SCALED
+
+    def lazy_init(self, fp32_values=None):
+        """Build the param lists once (``fp32_values``: exact initial values for new masters)."""
+        if not self.lazy_init_called:
+            self.init_params(fp32_values)
+            self.lazy_init_called = True
+
+    def check_can_begin_backward(self):
+        """Raise if this optimizer's ``scale_loss`` block has not exited yet."""
+        if self.phase is Phase.IN_BACKWARD:
+            raise RuntimeError("amp.scale_loss was entered again for an optimizer whose scale_loss "
+                               "block has not exited yet. Nesting scale_loss blocks on the same "
+                               "optimizer would unscale its gradients twice: finish the first "
+                               "block, or pass several losses' sum to one block.")
+
+    def begin_backward(self, set_aside_grads=True):
+        """Enter a ``scale_loss`` block; set the existing grads aside unless they are still scaled.
+
+        With ``set_aside_grads=False`` (``delay_unscale``, or nothing to unscale) they stay in place.
+        """
+        self.check_can_begin_backward()
+        self._phase_before_backward = self.phase
+        self._grads_set_aside = set_aside_grads and self.phase is not Phase.GRADS_SCALED
+        self.phase = Phase.IN_BACKWARD
+        if self._grads_set_aside:
+            self.set_grads_aside()
+
+    def end_backward(self, scaler):
+        """Leave the block: unscale every grad with ``scaler``; None (delay_unscale) keeps them scaled."""
+        if scaler is None:
+            self.phase = Phase.GRADS_SCALED
+        else:
+            self.phase = Phase.UNSCALED
+            self.unscale_grads(scaler)
+
+    def abort_backward(self):
+        """Leave the block without unscaling: grads set aside come back, the phase is as before."""
+        if self.phase is not Phase.IN_BACKWARD:
+            return
+        if self._grads_set_aside:
+            self._restore_grads()
+        self.phase = self._phase_before_backward
+
+    def note_found_inf(self, loss_id, found_inf):
+        """Keep ``loss_id``'s overflow flag for the next step (the max over its backward passes)."""
+        flags = self.found_inf_by_loss
+        previous = flags.get(loss_id)
+        flags[loss_id] = found_inf if previous is None else torch.maximum(previous, found_inf)
+
+    def _check_step(self, closure):
+        """Raise if step() comes before the gradients are unscaled."""
+        if self.phase is Phase.IN_BACKWARD:
+            raise RuntimeError("optimizer.step() was called inside its amp.scale_loss block: the "
+                               "gradients are unscaled when the block exits. Call step() after the "
+                               "`with` block.")
+        if self.phase is Phase.GRADS_SCALED:
+            raise RuntimeError("optimizer.step() was called while the gradients are still scaled: the "
+                               "last amp.scale_loss block used delay_unscale=True and no block without "
+                               "it followed. Run the last backward of the step in a scale_loss block "
+                               "with delay_unscale=False (it unscales everything), then call step().")
+
+    def step(self, closure=None, *args, **kwargs):
+        """The wrapped ``optimizer.step``: applied, or skipped if a grad since the last step overflowed."""
+        self._check_step(closure)
+        self.phase = Phase.READY
+        self._before_step()
+        flags_by_loss, self.found_inf_by_loss = self.found_inf_by_loss, {}
+        casts_off = casting.disable_casts() if self.patch_torch_functions else contextlib.nullcontext()
+        with casts_off:
+            if not flags_by_loss:
+                self.skips.record_applied()
+                result, copy_masters = self.original_step(closure, *args, **kwargs), True
+            elif getattr(self.optimizer, "_step_supports_amp_scaling", False):
+                found_inf = _combine_flags(list(flags_by_loss.values()))
+                # The masters are unchanged on a skipped step, so copying them again is harmless.
+                result, copy_masters = self._step_with_found_inf(found_inf, closure, args, kwargs), True
+            else:
+                result, copy_masters = self._step_reading_flag(flags_by_loss, closure, args, kwargs)
+            self._after_step(copy_masters)
+        return result
+
+    def _before_step(self):
+        """What a subclass must do before every step."""
+
+    def _after_step(self, copy_masters):
+        """What a subclass must do after every step, applied or skipped."""
+
+    def _step_with_found_inf(self, found_inf, closure, args, kwargs):
+        """Sync-free step: the optimizer itself skips on ``found_inf`` (device-side)."""
+        optimizer = self.optimizer
+        device = _param_device(optimizer)
+        # Fused optimizers subtract found_inf from 0-dim step counters: it must be 0-dim too.
+        found_inf = found_inf.to(device=device, dtype=torch.float32, non_blocking=True).reshape(())
+        optimizer.grad_scale, optimizer.found_inf = None, found_inf
+        try:
+            result = self.original_step(closure, *args, **kwargs)
+        finally:
+            del optimizer.grad_scale, optimizer.found_inf
+        self.skips.record(found_inf)
+        counts = self.skips.host_values()
+        if counts is not None:
+            self.reporter.report(*counts, lambda: "Gradient overflow.  Skipped step(s), the loss scale "
+                                 "was reduced.", self._culprit_finder())
+        return result
+
+    def _step_reading_flag(self, flags_by_loss, closure, args, kwargs):
+        """Apex's path: one host read of the flags; a non-finite step never reaches the optimizer."""
+        loss_ids = list(flags_by_loss)
+        values = torch.cat([flags_by_loss[i] for i in loss_ids]).tolist()
+        overflowed = [loss_id for loss_id, value in zip(loss_ids, values) if value > 0]
+        applied = not overflowed
+        self.skips.record_known(not applied)
+        if applied:
+            result = self.original_step(closure, *args, **kwargs)
+        else:
+            # A scheduler that wrapped step() before amp did would otherwise warn that step() was
+            # never called.
+            if hasattr(self.original_step, "_wrapped_by_lr_sched"):
+                self.optimizer._opt_called = True
+            result = None
+        self.host_total_skips += not applied
+        self.host_consecutive_skips = 0 if applied else self.host_consecutive_skips + 1
+        self.reporter.report(self.host_total_skips, self.host_consecutive_skips,
+                             _describe_skip(self.context.loss_scalers, overflowed), self._culprit_finder())
+        return result, applied
+
+    def _culprit_finder(self):
+        """A callable listing the names of the parameters (masters and model) whose grads are not finite."""
+        def find():
+            params = [p for group in self.optimizer.param_groups for p in group["params"]]
+            if self.master_weights:
+                params += self.all_fp16_params
+            return non_finite_grad_names(
+                (self.param_names.get(p, f"<parameter {index} of the optimizer>"), p)
+                for index, p in enumerate(params))
+        return find
+
+    def add_param_group(self, new_group):
+        """Validate, then add: a rejected group leaves the optimizer and amp's bookkeeping unchanged."""
+        group = _validated_param_group(self.optimizer, new_group, self.model_params())
+        lengths = {name: len(value) for name, value in vars(self).items() if isinstance(value, list)}
+        try:
+            self._add_group(group)
+            self.original_add_param_group(group)
+        except BaseException:
+            for name, length in lengths.items():
+                del getattr(self, name)[length:]
+            raise
 
 
-def _after_step(self, copy_masters):
-    """Master->model copy and master-grad clearing that follow every step, applied or skipped."""
-    stash = self._amp_stash
-    if stash.master_weights:
+class WithoutMasterWeights(OptimizerController):
+    """The model's own params (fp32 and low precision) are stepped; their grads are unscaled in place."""
+
+    def init_params(self, fp32_values=None):
+        """Sort the params into ``all_fp16_params`` and ``all_fp32_params`` (``fp32_values``: unused)."""
+        self.all_fp16_params, self.all_fp32_params = [], []
+        self.all_fp16_grad_stash, self.all_fp32_grad_stash = [], []
+        for group in self.optimizer.param_groups:
+            self._add_group(group)
+
+    def _add_group(self, group):
+        """Sort params into the low-precision and fp32 lists, each with a stash slot."""
+        for param in group["params"]:
+            _check_param_type(param, "Optimizer parameters")
+            if param.dtype in LOW_PRECISION:
+                self.all_fp16_params.append(param)
+                self.all_fp16_grad_stash.append(None)
+            else:
+                self.all_fp32_params.append(param)
+                self.all_fp32_grad_stash.append(None)
+
+    def model_params(self):
+        """The model's own parameters this optimizer trains."""
+        return self.all_fp16_params + self.all_fp32_params
+
+    def set_grads_aside(self):
+        """Apex's ``_prepare_amp_backward``: the grads so far wait while a backward adds new ones."""
+        _stash_and_clear_grads(self.all_fp16_params, self.all_fp16_grad_stash)
+        _stash_and_clear_grads(self.all_fp32_params, self.all_fp32_grad_stash)
+
+    def unscale_grads(self, scaler):
+        """Apex's ``_post_amp_backward``: unscale the new grads and add back those set aside."""
+        _unscale_models_are_masters(scaler, self.all_fp16_params, self.all_fp16_grad_stash)
+        _unscale_models_are_masters(scaler, self.all_fp32_params, self.all_fp32_grad_stash)
+
+    def _restore_grads(self):
+        _put_back_grads(self.all_fp16_params, self.all_fp16_grad_stash)
+        _put_back_grads(self.all_fp32_params, self.all_fp32_grad_stash)
+
+
+class WithMasterWeights(OptimizerController):
+    """fp32 masters are stepped in place of the low-precision params, then copied into them.
+
+    The model's low-precision grads stay scaled; each backward is unscaled into the masters' grads,
+    which hold what was accumulated since the last step.
+    """
+
+    master_weights = True
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self._warned_step_without_backward = False
+
+    def init_params(self, fp32_values=None):
+        """Swap in an fp32 master for each low-precision param (exact values from ``fp32_values``)."""
+        for name in ("fp16_groups", "fp32_from_fp16_groups", "fp32_from_fp32_groups", "all_fp16_params",
+                     "all_fp32_from_fp16_params", "all_fp32_from_fp32_params", "all_fp16_grad_stash",
+                     "all_fp32_from_fp32_grad_stash", "master_grad_buffers"):
+            setattr(self, name, [])
+        for group in self.optimizer.param_groups:
+            self._add_group(group, fp32_values)
+        for param in self.all_fp32_from_fp16_params + self.all_fp32_from_fp32_params:
+            param.grad = None
+        # Recast existing optimizer state (momentum, ...) to the masters' fp32.
+        self.optimizer.load_state_dict(self.optimizer.state_dict())
+        self._note_model_versions()
+
+    def _add_group(self, group, fp32_values=None):
+        """Swap each low-precision param of ``group`` for an fp32 master and record all three kinds."""
+        for param in group["params"]:
+            if param.requires_grad:
+                _check_param_type(param, "Optimizer parameters")
+        fp16_params, masters, fp32_params = swap_in_fp32_masters(self.optimizer, group, fp32_values)
+        for param, master in zip(fp16_params, masters):
+            self.param_names.setdefault(master, self.param_names.get(param))
+        self.fp16_groups.append(fp16_params)
+        self.fp32_from_fp16_groups.append(masters)
+        self.fp32_from_fp32_groups.append(fp32_params)
+        self.all_fp16_params += fp16_params
+        self.all_fp32_from_fp16_params += masters
+        self.all_fp32_from_fp32_params += fp32_params
+        self.all_fp16_grad_stash += [None for _ in fp16_params]
+        self.master_grad_buffers += [None for _ in masters]
+        self.all_fp32_from_fp32_grad_stash += [None for _ in fp32_params]
+
+    def model_params(self):
+        """The model's own parameters this optimizer trains (not the masters)."""
+        return self.all_fp16_params + self.all_fp32_from_fp32_params
+
+    def set_grads_aside(self):
+        """Apex's ``_prepare_amp_backward``: the grads so far wait while a backward adds new ones."""
+        # The masters hold what was accumulated so far; the model's fp16 grads start afresh.
+        for param in self.all_fp16_params:
+            if param.grad is not None:
+                param.grad = None
+        _stash_and_clear_grads(self.all_fp32_from_fp32_params, self.all_fp32_from_fp32_grad_stash)
+
+    def unscale_grads(self, scaler):
+        """Apex's ``_post_amp_backward``: unscale the model's grads into (or onto) the masters'."""
+        fresh_model, fresh_master, acc_model, acc_master = [], [], [], []
+        for index, (param, master) in enumerate(zip(self.all_fp16_params, self.all_fp32_from_fp16_params)):
+            grad = param.grad
+            if grad is None:
+                continue
+            if grad.is_sparse:
+                master.grad = _unscaled_sparse(scaler, grad, master.dtype, master.grad)
+            elif master.grad is None:
+                master.grad = self._master_grad_buffer(index, master)
+                fresh_model.append(grad)
+                fresh_master.append(master.grad)
+            else:
+                acc_model.append(grad)
+                acc_master.append(master.grad)
+        if fresh_model:
+            scaler.unscale(fresh_model, fresh_master, None)
+        if acc_model:
+            scaler.unscale_with_stashed(acc_model, acc_master, acc_master)
+        _unscale_models_are_masters(scaler, self.all_fp32_from_fp32_params,
+                                    self.all_fp32_from_fp32_grad_stash)
+
+    def _master_grad_buffer(self, index, master):
+        """The fp32 tensor that receives ``master``'s unscaled grad, allocated once and reused.
+
+        Every step sets the masters' ``.grad`` back to None, so no step sees another's values; reusing
+        the tensor saves an allocation per parameter per step.
+        """
+        buffer = self.master_grad_buffers[index]
+        if buffer is None:
+            buffer = self.master_grad_buffers[index] = torch.empty_like(master)
+        return buffer
+
+    def _restore_grads(self):
+        for param in self.all_fp16_params:
+            param.grad = None
+        _put_back_grads(self.all_fp32_from_fp32_params, self.all_fp32_from_fp32_grad_stash)
+
+    def zero_grad(self, set_to_none=True):
+        """Clear the model's grads and the masters' (which ``optimizer.zero_grad`` would not reach)."""
+        for param in self.all_fp16_params + self.all_fp32_from_fp32_params:
+            if param.grad is None:
+                continue
+            if set_to_none:
+                param.grad = None
+            else:
+                param.grad.detach_()
+                param.grad.zero_()
+        for master in self.all_fp32_from_fp16_params:
+            master.grad = None
+
+    def master_params_to_model_params(self):
+        """Round the masters into the model's low-precision params."""
+        if self.all_fp16_params:
+            # A plain rounding copy, no scaling and no check: PyTorch's foreach copy is the fastest
+            # kernel for it (amp_C's scale-by-1.0 measured 2x slower on CPU for fp32 -> fp16).
+            with torch.no_grad():
+                torch._foreach_copy_(self.all_fp16_params, self.all_fp32_from_fp16_params)
+            self._note_model_versions()
+
+    def _note_model_versions(self):
+        """Remember each low-precision param's version right after amp wrote it (see below)."""
+        self.model_versions = [param._version for param in self.all_fp16_params]
+
+    def _refresh_masters_written_elsewhere(self):
+        """Take into its master the value of each low-precision param that something else wrote.
+
+        Runs at the start of every step, before the masters are stepped and copied back. DDP's
+        broadcast of rank 0's weights, ``load_state_dict`` on a submodule or an in-place edit changes
+        a param after its master was made; stepping the stale master would write it back (and DDP
+        ranks would diverge). A master is kept only if it rounds to the param and was itself
+        written since it was made (by a step, or by loading a checkpoint through the model): the param
+        was then rounded from it, and its extra fp32 bits are the same on every rank. An untouched
+        master holds this process's own initial weights, which another rank's broadcast weights may
+        round alike from different fp32 values, so it is replaced. Writes through ``param.data``
+        bypass the version counter and go unseen.
+        """
+        versions = [param._version for param in self.all_fp16_params]
+        recorded = self.model_versions
+        if versions == recorded:
+            return
+        with torch.no_grad():
+            pairs = zip(self.all_fp16_params, self.all_fp32_from_fp16_params)
+            for index, (param, master) in enumerate(pairs):
+                if index < len(recorded) and recorded[index] == versions[index]:
+                    continue
+                if master._version == 0 or not torch.equal(master.to(param.dtype), param):
+                    master.copy_(param)
+        self.model_versions = versions
+
+    def _check_step(self, closure):
+        """Also refuse a closure, and warn (once) of a step with nothing to train."""
+        if closure is not None:
+            raise RuntimeError("Currently, Amp does not support closure use with optimizers under master "
+                               "weights (O2/O5): call the closure yourself, then optimizer.step().")
+        super()._check_step(closure)
+        if self.phase is Phase.READY and not self._warned_step_without_backward:
+            self._warned_step_without_backward = True
+            warnings.warn("optimizer.step() was called under master weights (O2/O5) with no "
+                          "amp.scale_loss backward since the last step: the fp32 master weights have no "
+                          "gradients, so nothing is trained. Run the backward inside "
+                          "`with amp.scale_loss(loss, optimizer) as scaled_loss:`. (Warned once.)",
+                          stacklevel=4)
+
+    def _before_step(self):
+        self._refresh_masters_written_elsewhere()
+
+    def _after_step(self, copy_masters):
+        """Master->model copy and master-grad clearing that follow every step, applied or skipped."""
         if copy_masters:
-            self._master_params_to_model_params()
-        for master in stash.all_fp32_from_fp16_params:
+            self.master_params_to_model_params()
+        for master in self.all_fp32_from_fp16_params:
             master.grad = None
 
 
-def _step_with_found_inf(self, found_inf, closure, args, kwargs):
-    """Sync-free step: the optimizer itself skips on ``found_inf`` (device-side)."""
-    stash = self._amp_stash
-    device = _param_device(self)
-    # Fused optimizers subtract found_inf from 0-dim step counters: it must be 0-dim too.
-    found_inf = found_inf.to(device=device, dtype=torch.float32, non_blocking=True).reshape(())
-    self.grad_scale, self.found_inf = None, found_inf
-    try:
-        result = stash.original_step(closure, *args, **kwargs)
-    finally:
-        del self.grad_scale, self.found_inf
-    stash.skips.record(found_inf)
-    counts = stash.skips.host_values()
-    if counts is not None:
-        stash.reporter.report(*counts, lambda: "Gradient overflow.  Skipped step(s), the loss scale "
-                              "was reduced.", _culprit_finder(self))
-    return result
-
-
-def _step_reading_flag(self, flags_by_loss, closure, args, kwargs):
-    """Apex's path: one host read of the flags; a non-finite step never reaches the optimizer."""
-    stash = self._amp_stash
-    loss_ids = list(flags_by_loss)
-    values = torch.cat([flags_by_loss[i] for i in loss_ids]).tolist()
-    overflowed = [loss_id for loss_id, value in zip(loss_ids, values) if value > 0]
-    applied = not overflowed
-    stash.skips.record_known(not applied)
-    if applied:
-        result = stash.original_step(closure, *args, **kwargs)
-    else:
-        # A scheduler that wrapped step() before amp did would otherwise warn that step() was never called.
-        if hasattr(stash.original_step, "_wrapped_by_lr_sched"):
-            self._opt_called = True
-        result = None
-    stash.host_total_skips += not applied
-    stash.host_consecutive_skips = 0 if applied else stash.host_consecutive_skips + 1
-    stash.reporter.report(stash.host_total_skips, stash.host_consecutive_skips,
-                          _describe_skip(stash.context.loss_scalers, overflowed),
-                          _culprit_finder(self))
-    return result, applied
-
-
-def _check_step_phase(stash):
-    if stash.in_scale_loss:
-        raise RuntimeError("optimizer.step() was called inside its amp.scale_loss block: the "
-                           "gradients are unscaled when the block exits. Call step() after the "
-                           "`with` block.")
-    if stash.params_have_scaled_gradients:
-        raise RuntimeError("optimizer.step() was called while the gradients are still scaled: the "
-                           "last amp.scale_loss block used delay_unscale=True and no block without "
-                           "it followed. Run the last backward of the step in a scale_loss block "
-                           "with delay_unscale=False (it unscales everything), then call step().")
-    if stash.master_weights and not stash.unscaled_since_step and not stash.warned_step_without_scale_loss:
-        stash.warned_step_without_scale_loss = True
-        warnings.warn("optimizer.step() was called under master weights (O2/O5) with no "
-                      "amp.scale_loss backward since the last step: the fp32 master weights have no "
-                      "gradients, so nothing is trained. Run the backward inside "
-                      "`with amp.scale_loss(loss, optimizer) as scaled_loss:`. (Warned once.)",
-                      stacklevel=3)
-    stash.unscaled_since_step = False
-
-
-def _amp_step(self, closure=None, *args, **kwargs):
-    stash = self._amp_stash
-    if stash.master_weights and closure is not None:
-        raise RuntimeError("Currently, Amp does not support closure use with optimizers under master "
-                           "weights (O2/O5): call the closure yourself, then optimizer.step().")
-    _check_step_phase(stash)
-    if stash.master_weights:
-        _refresh_masters_written_elsewhere(stash)
-    flags_by_loss, stash.found_inf_by_loss = stash.found_inf_by_loss, {}
-    casts_off = casting.disable_casts() if stash.patch_torch_functions else contextlib.nullcontext()
-    with casts_off:
-        if not flags_by_loss:
-            stash.skips.record_applied()
-            result, copy_masters = stash.original_step(closure, *args, **kwargs), True
-        elif getattr(self, "_step_supports_amp_scaling", False):
-            found_inf = _combine_flags(list(flags_by_loss.values()))
-            # The masters are unchanged on a skipped step, so copying them again is harmless.
-            result, copy_masters = _step_with_found_inf(self, found_inf, closure, args, kwargs), True
-        else:
-            result, copy_masters = _step_reading_flag(self, flags_by_loss, closure, args, kwargs)
-        _after_step(self, copy_masters)
-    return result
+def _amp_step(optimizer, *args, **kwargs):
+    """``optimizer.step`` after initialize: the controller's step."""
+    return optimizer._amp_stash.step(*args, **kwargs)
 
 
 def _process_optimizer(optimizer, context, param_names, fp32_values, max_consecutive_skips):
-    """Attach ``_amp_stash`` and amp's methods to ``optimizer`` (once) and create its masters.
+    """Give ``optimizer`` its controller (``_amp_stash``) and delegating methods, once, and its masters.
 
     ``amp.initialize`` has checked the optimizer already (see ``ATTACHED_METHODS``).
     """
-    properties = context.properties
-    stash = AmpOptimizerState(properties.master_weights, dict(param_names), max_consecutive_skips,
-                              _param_device(optimizer), context.verbosity)
-    stash.context = context
-    stash.patch_torch_functions = properties.patch_torch_functions
-    stash.fp32_values = fp32_values
-    optimizer._amp_stash = stash
-    bind = lambda fn: types.MethodType(fn, optimizer)  # noqa: E731
-
-    optimizer._amp_lazy_init = bind(_amp_lazy_init)
-    optimizer._restore_after_failed_backward = bind(_restore_after_failed_backward)
-    if properties.master_weights:
-        optimizer._lazy_init_maybe_master_weights = bind(_lazy_init_with_master_weights)
-        optimizer._master_params_to_model_params = bind(_master_params_to_model_params)
-        optimizer._prepare_amp_backward = bind(_prepare_backward_with_master_weights)
-        optimizer._post_amp_backward = bind(_post_backward_with_master_weights)
-        optimizer.zero_grad = bind(_zero_grad_with_master_weights)
-    else:
-        optimizer._lazy_init_maybe_master_weights = bind(_lazy_init_no_master_weights)
-        optimizer._prepare_amp_backward = bind(_prepare_backward_no_master_weights)
-        optimizer._post_amp_backward = bind(_post_backward_no_master_weights)
-    stash.original_add_param_group = optimizer.add_param_group
-    optimizer.add_param_group = bind(_add_param_group)
-    stash.original_step = optimizer.step
+    kind = WithMasterWeights if context.properties.master_weights else WithoutMasterWeights
+    controller = kind(optimizer, context, dict(param_names), max_consecutive_skips)
+    optimizer._amp_stash = controller
+    # Apex's method names, for code that calls them on the optimizer.
+    optimizer._amp_lazy_init = controller.lazy_init
+    optimizer._lazy_init_maybe_master_weights = controller.init_params
+    optimizer._prepare_amp_backward = controller.set_grads_aside
+    optimizer._post_amp_backward = controller.unscale_grads
+    if controller.master_weights:
+        optimizer._master_params_to_model_params = controller.master_params_to_model_params
+        optimizer.zero_grad = controller.zero_grad
+    optimizer.add_param_group = controller.add_param_group
     step = _amp_step
-    if hasattr(stash.original_step, "_wrapped_by_lr_sched"):
+    if hasattr(controller.original_step, "_wrapped_by_lr_sched"):
         # An LR scheduler created before initialize warns at its first step() unless it finds its
         # mark on optimizer.step; the mark goes on a per-optimizer copy, never on _amp_step itself.
         @functools.wraps(_amp_step)
         def step(self, *args, **kwargs):
             return _amp_step(self, *args, **kwargs)
         step._wrapped_by_lr_sched = True
-    optimizer.step = bind(step)
+    # Bound to the optimizer itself: an LR scheduler created later rebinds step's function to it.
+    optimizer.step = types.MethodType(step, optimizer)
     # Masters are made now (Apex made them lazily) so that checkpoints loaded right after
     # initialize land on the fp32 masters with no precision lost.
-    optimizer._amp_lazy_init()
-    del stash.fp32_values
+    controller.lazy_init(fp32_values)

@@ -1,4 +1,10 @@
-"""``amp.scale_loss``: scale the loss for backward, then unscale into master grads and check overflow."""
+"""``amp.scale_loss``: scale the loss for backward, then unscale into master grads and check overflow.
+
+The per-optimizer work is its controller's (``optimizer._amp_stash``): the block calls
+``begin_backward``, then ``end_backward`` (or ``abort_backward`` if the body raised). This module
+checks the arguments and does what the optimizers of one call share: the scaling and the overflow
+check.
+"""
 import contextlib
 
 import torch
@@ -76,20 +82,15 @@ def _check_no_shared_params(optimizers):
                     "exactly one optimizer.")
 
 
-def _enter(stashes):
-    for stash in stashes:
-        if stash.in_scale_loss:
-            raise RuntimeError("amp.scale_loss was entered again for an optimizer whose scale_loss "
-                               "block has not exited yet. Nesting scale_loss blocks on the same "
-                               "optimizer would unscale its gradients twice: finish the first "
-                               "block, or pass several losses' sum to one block.")
-    for stash in stashes:
-        stash.in_scale_loss = True
+def _begin_backward(controllers, set_aside_grads):
+    """Every optimizer enters the block, or none does: a nested block raises before any change."""
+    for controller in controllers:
+        controller.check_can_begin_backward()
+    for controller in controllers:
+        controller.begin_backward(set_aside_grads)
 
 
-def _exit(stashes, context):
-    for stash in stashes:
-        stash.in_scale_loss = False
+def _clear_cast_cache(context):
     if context.properties.patch_torch_functions and _amp_state.handle is not None:
         _amp_state.handle._clear_cache()
 
@@ -135,15 +136,18 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False,
     if not isinstance(loss, torch.Tensor):
         raise TypeError(f"scale_loss expects the loss tensor, got {type(loss).__name__}.")
     scaler = scalers[loss_id]
-    stashes = [optimizer._amp_stash for optimizer in optimizers]
+    controllers = [optimizer._amp_stash for optimizer in optimizers]
 
     if not context.properties.master_weights and not scaler.dynamic and scaler.loss_scale() == 1.0:
-        # Nothing to scale or unscale, and a static scale checks nothing: no work at all.
-        _enter(stashes)
+        # Nothing to scale or unscale, and a static scale checks nothing: the block only marks
+        # the optimizers busy, and leaves them as it found them.
+        _begin_backward(controllers, set_aside_grads=False)
         try:
             yield loss.float()
         finally:
-            _exit(stashes, context)
+            for controller in controllers:
+                controller.abort_backward()
+            _clear_cast_cache(context)
         return
 
     if not optimizers:
@@ -151,37 +155,27 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False,
                         "only a static loss scale of 1.0 without master weights works without them.")
     if len(optimizers) > 1:
         _check_no_shared_params(optimizers)
-    _enter(stashes)
+    _begin_backward(controllers, set_aside_grads=not delay_unscale)
     try:
-        prepared = []
-        if not delay_unscale:
-            for optimizer in optimizers:
-                if not optimizer._amp_stash.params_have_scaled_gradients:
-                    optimizer._prepare_amp_backward()
-                    prepared.append(optimizer)
-        try:
-            yield loss.float() * scaler.scale_tensor(loss.device)
-        except BaseException:
-            for optimizer in prepared:
-                optimizer._restore_after_failed_backward()
-            raise
-        _unscale_and_check(optimizers, stashes, context, scaler, loss_id, delay_unscale,
-                           delay_overflow_check)
+        yield loss.float() * scaler.scale_tensor(loss.device)
+        _unscale_and_check(controllers, context, scaler, loss_id, delay_unscale, delay_overflow_check)
+    except BaseException:
+        # Optimizers whose gradients were not unscaled get back those from before the block.
+        for controller in controllers:
+            controller.abort_backward()
+        raise
     finally:
-        _exit(stashes, context)
+        _clear_cast_cache(context)
 
 
-def _unscale_and_check(optimizers, stashes, context, scaler, loss_id, delay_unscale,
-                       delay_overflow_check):
+def _unscale_and_check(controllers, context, scaler, loss_id, delay_unscale, delay_overflow_check):
     if delay_unscale:
-        for stash in stashes:
-            stash.params_have_scaled_gradients = True
+        for controller in controllers:
+            controller.end_backward(None)
         return
     scaler.clear_overflow_state()
-    for optimizer, stash in zip(optimizers, stashes):
-        optimizer._post_amp_backward(scaler)
-        stash.params_have_scaled_gradients = False
-        stash.unscaled_since_step = True
+    for controller in controllers:
+        controller.end_backward(scaler)
     if delay_overflow_check:
         return
     group = context.overflow_process_group
@@ -189,7 +183,5 @@ def _unscale_and_check(optimizers, stashes, context, scaler, loss_id, delay_unsc
         dist.all_reduce(scaler.found_inf(), op=dist.ReduceOp.MAX, group=group)
     found_inf = scaler.update_scale_()
     if scaler.dynamic:
-        for stash in stashes:
-            flags = stash.found_inf_by_loss
-            previous = flags.get(loss_id)
-            flags[loss_id] = found_inf if previous is None else torch.maximum(previous, found_inf)
+        for controller in controllers:
+            controller.note_found_inf(loss_id, found_inf)

@@ -29,6 +29,21 @@ def test_a_nested_scale_loss_on_the_same_optimizer_raises_and_the_outer_block_re
     assert optimizer._amp_stash.in_scale_loss is False
 
 
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_a_nested_block_over_several_optimizers_changes_none_of_them(opt_level):
+    model = net()
+    body, head = sgd(model.fc1.parameters()), sgd(model.fc2.parameters())
+    model, (body, head) = amp.initialize(model, [body, head], opt_level=opt_level, verbosity=0)
+    loss_of(model(batch(0))).backward()  # grads on every param that the inner block must keep
+    model_grads = [p.grad.clone() for p in model.parameters()]
+    with amp.scale_loss(loss_of(model(batch(1))), head):
+        with pytest.raises(RuntimeError, match="entered again"):
+            with amp.scale_loss(loss_of(model(batch(2))), [body, head]):
+                pass
+        assert body._amp_stash.in_scale_loss is False and head._amp_stash.in_scale_loss is True
+        assert_identical([p.grad for p in model.fc1.parameters()], model_grads[:2])
+
+
 @pytest.mark.parametrize("opt_level", ["O1", "O2", "O4"])
 def test_the_same_optimizer_twice_in_one_call_raises(opt_level):
     model, optimizer = initialized(opt_level)

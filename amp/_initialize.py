@@ -19,6 +19,9 @@ _PARALLEL_WRAPPERS = (nn.parallel.DistributedDataParallel, nn.DataParallel)
 
 
 def _check_models(models):
+    if len({id(model) for model in models}) != len(models):
+        raise RuntimeError("The same model appears more than once in the models passed to "
+                           "amp.initialize; pass each model once.")
     for model in models:
         if not isinstance(model, nn.Module):
             raise TypeError(f"amp.initialize expects torch.nn.Module models, got {type(model).__name__}.")

@@ -64,6 +64,8 @@ BAD_CALLS = [
      RuntimeError, "cast_model_type should be None"),
     ("an optimizer twice", lambda m, o: amp.initialize(m, [o, o], opt_level="O2", verbosity=0),
      RuntimeError, "more than once"),
+    ("a model twice", lambda m, o: amp.initialize([m, m], o, opt_level="O2", verbosity=0),
+     RuntimeError, "same model appears more than once"),
 ]
 
 

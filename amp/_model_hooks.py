@@ -12,6 +12,8 @@ import weakref
 import torch
 from torch import nn
 
+from ._compat import register_load_state_dict_pre_hook, register_state_dict_post_hook
+
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
@@ -122,5 +124,5 @@ def register_fp32_state_dict_hooks(model, optimizers):
     wrapper (DDP, a parent module): the keys carry the wrapper's prefix both ways.
     """
     masters = _Masters(optimizers)
-    model.register_state_dict_post_hook(functools.partial(_state_dict_to_fp32, masters))
-    model.register_load_state_dict_pre_hook(functools.partial(_load_masters, masters))
+    register_state_dict_post_hook(model, functools.partial(_state_dict_to_fp32, masters))
+    register_load_state_dict_pre_hook(model, functools.partial(_load_masters, masters))

@@ -24,6 +24,7 @@ import torch
 from torch.optim.optimizer import required
 
 from . import casting
+from ._compat import coalesced_sparse_coo_tensor, optimizer_accepts_found_inf
 from ._master_weights import swap_in_fp32_masters
 from ._overflow_report import OverflowReporter, non_finite_grad_names
 from ._skip_counts import SkipCounts
@@ -86,8 +87,7 @@ def _unscaled_sparse(scaler, grad, dtype, previous):
     values = grad._values()
     out = values if values.dtype == dtype else torch.empty_like(values, dtype=dtype)
     scaler.unscale([values], [out], None, models_are_masters=out is values)
-    unscaled = torch.sparse_coo_tensor(grad._indices(), out, grad.shape, is_coalesced=True,
-                                       check_invariants=False)
+    unscaled = coalesced_sparse_coo_tensor(grad._indices(), out, grad.shape)
     return unscaled if previous is None else previous + unscaled
 
 
@@ -284,7 +284,7 @@ class OptimizerController:
             if not flags_by_loss:
                 self.skips.record_applied()
                 result, copy_masters = self.original_step(closure, *args, **kwargs), True
-            elif getattr(self.optimizer, "_step_supports_amp_scaling", False):
+            elif optimizer_accepts_found_inf(self.optimizer):
                 found_inf = _combine_flags(list(flags_by_loss.values()))
                 # The masters are unchanged on a skipped step, so copying them again is harmless.
                 result, copy_masters = self._step_with_found_inf(found_inf, closure, args, kwargs), True

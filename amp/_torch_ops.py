@@ -36,6 +36,8 @@ import operator
 
 import torch
 
+from ._compat import foreach_norm, non_finite_check_and_unscale_
+
 __all__ = [
     "multi_tensor_scale",
     "multi_tensor_axpby",
@@ -256,7 +258,7 @@ def _scale_(fp32_tensors, scale, found):
     if found is None:
         torch._foreach_mul_(fp32_tensors, scale)
     else:
-        torch._amp_foreach_non_finite_check_and_unscale_(fp32_tensors, found, scale)
+        non_finite_check_and_unscale_(fp32_tensors, found, scale)
 
 
 def multi_tensor_scale(chunk_size, noop_flag, tensor_lists, scale):
@@ -331,7 +333,7 @@ def _norm_results(op, chunk_size, noop_flag, tensor_lists, inv_scale, per_tensor
         if inv_scale is not None:
             xs = _fp32_copies(xs)
             torch._foreach_mul_(xs, _fp32_scalar(op, "inv_scale", inv_scale, device))
-        norms = torch.stack(torch._foreach_norm(xs, 2, dtype=torch.float32))
+        norms = torch.stack(foreach_norm(xs, 2, dtype=torch.float32))
         total = torch.linalg.vector_norm(norms).reshape(1)
         if skip_if_flagged:
             # Decided on the device: reading the flag on the host would synchronise.

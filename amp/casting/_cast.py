@@ -8,6 +8,7 @@ from torch import Tensor
 from torch.nn import Parameter
 
 from .._amp_state import logger
+from .._compat import is_compiling
 
 FLOATING = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64))
 LOW_PRECISION = frozenset((torch.float16, torch.bfloat16))
@@ -134,8 +135,6 @@ def make_caster(name, verbose=False, cache=None):
 
     float32 = torch.float32
     is_grad_enabled = torch.is_grad_enabled
-
-    is_compiling = torch.compiler.is_compiling
 
     def cast(t, dtype):
         # Under torch.compile the graph itself shares one cast per weight; a Python-side cache

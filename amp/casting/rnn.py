@@ -10,6 +10,7 @@ import functools
 import torch
 from torch import Tensor
 
+from .._compat import rnn_module
 from . import lists
 from ._cast import FLOATING, cast_args, make_caster
 from .wrap import make_cast_wrapper
@@ -89,8 +90,8 @@ def _make_check_input_wrapper(orig, handle):
 
 def install(handle, dtype):
     """Patch the RNN entry points of ``torch.nn.modules.rnn`` for ``handle``."""
-    rnn_module = torch.nn.modules.rnn
-    shim = _VFShim(rnn_module._VF)
+    rnn = rnn_module()
+    shim = _VFShim(rnn._VF)
     for name in lists.RNN_FUNCTIONS:
         if hasattr(shim, name):
             setattr(shim, name, _make_rnn_wrapper(getattr(shim, name), name, handle, dtype))
@@ -98,7 +99,6 @@ def install(handle, dtype):
         if hasattr(shim, name):
             setattr(shim, name, make_cast_wrapper(getattr(shim, name), name, handle, dtype,
                                                   try_caching=True))
-    handle._save_func(rnn_module, "_VF", shim)
-    base = rnn_module.RNNBase
-    if hasattr(base, "check_input"):
-        handle._save_func(base, "check_input", _make_check_input_wrapper(base.check_input, handle))
+    handle._save_func(rnn, "_VF", shim)
+    base = rnn.RNNBase
+    handle._save_func(base, "check_input", _make_check_input_wrapper(base.check_input, handle))

@@ -1,0 +1,146 @@
+"""Every private or version-dependent torch API amp relies on, probed once at import.
+
+amp calls the names bound here instead of reaching into torch, so this module is the one place
+that says what a torch upgrade may break. Each probe runs at import and binds a name to the
+torch function itself (no per-call cost), to a portable fallback, or to a stub that raises a
+clear error naming the missing API when amp first needs it.
+
+Probed and bound here:
+
+* ``torch._amp_foreach_non_finite_check_and_unscale_`` -> :func:`non_finite_check_and_unscale_`
+* ``torch._foreach_norm(..., dtype=)`` -> :func:`foreach_norm` (fallback: per-tensor
+  ``torch.linalg.vector_norm``)
+* the fused optimizers' ``grad_scale``/``found_inf`` contract (``_step_supports_amp_scaling``)
+  -> :func:`optimizer_accepts_found_inf` (fallback: never, so the flag is read on the host)
+* ``torch.compiler.is_compiling`` -> :func:`is_compiling` (fallback: never compiling)
+* ``torch.nn.modules.rnn._VF``, ``RNNBase.check_input`` and ``RNNBase._flat_weights`` ->
+  :func:`rnn_module`
+* ``nn.Module.register_state_dict_post_hook`` / ``register_load_state_dict_pre_hook`` ->
+  :func:`register_state_dict_post_hook` / :func:`register_load_state_dict_pre_hook`
+* ``torch.sparse_coo_tensor(..., is_coalesced=)`` -> :func:`coalesced_sparse_coo_tensor`
+  (fallback: ``coalesce()``)
+
+Relied upon but used directly, since a wrapper would only add indirection (checked at import,
+so a torch without them fails with one clear ``ImportError``): the ``torch._foreach_*`` ops in
+``FOREACH_OPS``. Also used directly, being part of torch since 1.x: ``Tensor._version`` (the
+in-place counter), sparse ``Tensor._indices()`` / ``_values()``.
+"""
+import importlib
+import inspect
+
+import torch
+
+_ADVICE = "upgrade to torch>=2.1 (the version amp is tested with is 2.13)"
+
+FOREACH_OPS = ("_foreach_add_", "_foreach_copy_", "_foreach_mul_")
+
+
+def _missing(api, advice=_ADVICE):
+    """A stand-in for ``api`` that says which torch API is missing and what to do."""
+    def unavailable(*args, **kwargs):
+        raise RuntimeError(f"amp needs {api}, which torch {torch.__version__} does not provide: "
+                           f"{advice}.")
+    return unavailable
+
+
+def _require_foreach_ops():
+    missing = [name for name in FOREACH_OPS if not hasattr(torch, name)]
+    if missing:
+        raise ImportError(f"amp needs torch.{', torch.'.join(missing)}, which torch "
+                          f"{torch.__version__} does not provide: {_ADVICE}.")
+
+
+def _probe_non_finite_check_and_unscale():
+    name = "_amp_foreach_non_finite_check_and_unscale_"
+    return getattr(torch, name, None) or _missing(f"torch.{name}")
+
+
+def _vector_norms(tensors, ord=2, dtype=None):
+    return [torch.linalg.vector_norm(t, ord, dtype=dtype) for t in tensors]
+
+
+def _probe_foreach_norm():
+    try:
+        torch._foreach_norm([torch.ones(1)], 2, dtype=torch.float32)
+    except (AttributeError, TypeError, RuntimeError):
+        return _vector_norms
+    return torch._foreach_norm
+
+
+def _step_supports_amp_scaling(optimizer):
+    return getattr(optimizer, "_step_supports_amp_scaling", False)
+
+
+def _never(optimizer):
+    return False
+
+
+def _probe_found_inf_contract():
+    # Fused Adam's functional form takes grad_scale/found_inf when the contract exists.
+    try:
+        adam = importlib.import_module("torch.optim.adam").adam
+        params = inspect.signature(adam).parameters
+    except (ImportError, AttributeError, ValueError):
+        return _never
+    return _step_supports_amp_scaling if {"grad_scale", "found_inf"} <= params.keys() else _never
+
+
+def _not_compiling():
+    return False
+
+
+def _probe_is_compiling():
+    compiler = getattr(torch, "compiler", None)
+    return getattr(compiler, "is_compiling", None) or _not_compiling
+
+
+def _probe_rnn_internals():
+    rnn = torch.nn.modules.rnn
+    missing = [api for api, found in (
+        ("torch.nn.modules.rnn._VF", hasattr(rnn, "_VF")),
+        ("torch.nn.RNNBase.check_input", hasattr(rnn.RNNBase, "check_input")),
+        ("torch.nn.RNNBase._flat_weights", hasattr(torch.nn.RNN(1, 1), "_flat_weights")),
+    ) if not found]
+    if missing:
+        return _missing(" and ".join(missing), _ADVICE + ", or use O2/O3, which patch no RNNs")
+    return lambda: rnn
+
+
+def _probe_module_method(name):
+    return getattr(torch.nn.Module, name, None) or _missing(f"torch.nn.Module.{name}")
+
+
+def _sparse_coo_is_coalesced(indices, values, size):
+    return torch.sparse_coo_tensor(indices, values, size, is_coalesced=True,
+                                   check_invariants=False)
+
+
+def _sparse_coo_coalesce(indices, values, size):
+    return torch.sparse_coo_tensor(indices, values, size).coalesce()
+
+
+def _probe_sparse_coo_is_coalesced():
+    try:
+        _sparse_coo_is_coalesced(torch.zeros(1, 0, dtype=torch.long), torch.zeros(0), (1,))
+    except TypeError:
+        return _sparse_coo_coalesce
+    return _sparse_coo_is_coalesced
+
+
+_require_foreach_ops()
+#: ``(tensors, found_inf, inv_scale)``: unscale in place, flag non-finite values in ``found_inf``.
+non_finite_check_and_unscale_ = _probe_non_finite_check_and_unscale()
+#: ``(tensors, ord, dtype=)``: a list of 0-dim norms, each computed in ``dtype``.
+foreach_norm = _probe_foreach_norm()
+#: ``(optimizer)``: whether ``optimizer.step`` skips by itself on ``optimizer.found_inf``.
+optimizer_accepts_found_inf = _probe_found_inf_contract()
+#: ``()``: whether torch.compile is tracing the caller.
+is_compiling = _probe_is_compiling()
+#: ``()``: ``torch.nn.modules.rnn``, whose ``_VF`` and ``RNNBase.check_input`` O1/O4 patch.
+rnn_module = _probe_rnn_internals()
+#: ``(module, hook)``: ``hook(module, state_dict, prefix, local_metadata)`` after ``state_dict``.
+register_state_dict_post_hook = _probe_module_method("register_state_dict_post_hook")
+#: ``(module, hook)``: ``hook(module, state_dict, prefix, *args)`` before ``load_state_dict``.
+register_load_state_dict_pre_hook = _probe_module_method("register_load_state_dict_pre_hook")
+#: ``(indices, values, size)``: a sparse COO tensor the caller knows to be coalesced.
+coalesced_sparse_coo_tensor = _probe_sparse_coo_is_coalesced()

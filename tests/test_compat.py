@@ -1,0 +1,89 @@
+"""amp._compat: each probe finds its torch API here, and a missing one fails clearly."""
+import importlib
+
+import pytest
+import torch
+
+from amp import _compat
+
+
+def test_probes_bind_torch_itself():
+    assert _compat.non_finite_check_and_unscale_ is torch._amp_foreach_non_finite_check_and_unscale_
+    assert _compat.foreach_norm is torch._foreach_norm
+    assert _compat.is_compiling is torch.compiler.is_compiling
+    assert _compat.rnn_module() is torch.nn.modules.rnn
+    assert _compat.register_state_dict_post_hook is torch.nn.Module.register_state_dict_post_hook
+    assert (_compat.register_load_state_dict_pre_hook
+            is torch.nn.Module.register_load_state_dict_pre_hook)
+    assert _compat.coalesced_sparse_coo_tensor is _compat._sparse_coo_is_coalesced
+
+
+def test_found_inf_contract():
+    param = torch.zeros(1, requires_grad=True)
+    assert _compat.optimizer_accepts_found_inf(torch.optim.Adam([param], fused=True))
+    assert not _compat.optimizer_accepts_found_inf(torch.optim.Adam([param]))
+
+
+def test_missing_unscale_kernel_names_it(monkeypatch):
+    monkeypatch.delattr(torch, "_amp_foreach_non_finite_check_and_unscale_")
+    unscale = _compat._probe_non_finite_check_and_unscale()
+    with pytest.raises(RuntimeError, match=r"_amp_foreach_non_finite_check_and_unscale_.*"
+                                           + torch.__version__.replace("+", r"\+")):
+        unscale([torch.ones(1)], torch.zeros(1), torch.ones(1))
+
+
+def test_missing_foreach_op_fails_import(monkeypatch):
+    monkeypatch.delattr(torch, "_foreach_copy_")
+    with pytest.raises(ImportError, match="torch._foreach_copy_"):
+        _compat._require_foreach_ops()
+
+
+def test_missing_rnn_internals_names_them(monkeypatch):
+    monkeypatch.delattr(torch.nn.modules.rnn.RNNBase, "check_input")
+    rnn_module = _compat._probe_rnn_internals()
+    with pytest.raises(RuntimeError, match=r"RNNBase\.check_input.*O2/O3"):
+        rnn_module()
+
+
+def test_missing_state_dict_hook_names_it(monkeypatch):
+    monkeypatch.delattr(torch.nn.Module, "register_state_dict_post_hook")
+    register = _compat._probe_module_method("register_state_dict_post_hook")
+    with pytest.raises(RuntimeError, match="register_state_dict_post_hook"):
+        register(torch.nn.Linear(1, 1), lambda *args: None)
+
+
+def test_foreach_norm_without_dtype_falls_back(monkeypatch):
+    def no_dtype(tensors, ord=2):
+        return [torch.linalg.vector_norm(t, ord) for t in tensors]
+    monkeypatch.setattr(torch, "_foreach_norm", no_dtype)
+    foreach_norm = _compat._probe_foreach_norm()
+    xs = [torch.tensor([3.0, 4.0], dtype=torch.float16)]
+    assert foreach_norm is _compat._vector_norms
+    assert foreach_norm(xs, 2, dtype=torch.float32)[0].dtype == torch.float32
+
+
+def test_missing_found_inf_contract_reads_flag_on_host(monkeypatch):
+    adam = importlib.import_module("torch.optim.adam")
+    monkeypatch.setattr(adam, "adam", lambda params, grads: None)
+    accepts = _compat._probe_found_inf_contract()
+    param = torch.zeros(1, requires_grad=True)
+    assert not accepts(torch.optim.Adam([param], fused=True))
+
+
+def test_missing_is_compiling_means_not_compiling(monkeypatch):
+    monkeypatch.delattr(torch.compiler, "is_compiling")
+    assert _compat._probe_is_compiling()() is False
+
+
+def test_sparse_coo_without_is_coalesced_falls_back(monkeypatch):
+    real = torch.sparse_coo_tensor
+
+    def no_is_coalesced(indices, values, size, **kwargs):
+        if kwargs:
+            raise TypeError("sparse_coo_tensor() got an unexpected keyword argument")
+        return real(indices, values, size, check_invariants=True)
+    monkeypatch.setattr(torch, "sparse_coo_tensor", no_is_coalesced)
+    make = _compat._probe_sparse_coo_is_coalesced()
+    assert make is _compat._sparse_coo_coalesce
+    out = make(torch.tensor([[1, 0]]), torch.tensor([2.0, 3.0]), (2,))
+    assert out.is_coalesced() and out.to_dense().tolist() == [3.0, 2.0]

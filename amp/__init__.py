@@ -2,9 +2,9 @@
 from . import multi_tensor_apply
 from ._amp_state import _amp_state
 from ._overflow_report import NonFiniteGradientsError
-from .casting import (bfloat16_function, disable_casts, float_function, half_function, init,
-                      promote_function, register_bfloat16_function, register_float_function,
-                      register_half_function, register_promote_function)
+from .casting import (bfloat16_function, deactivate, disable_casts, float_function,
+                      half_function, init, promote_function, register_bfloat16_function,
+                      register_float_function, register_half_function, register_promote_function)
 from .frontend import (initialize, last_step_applied, load_state_dict, loss_scale,
                        loss_scale_tensor, loss_scaler, master_params, skipped_steps, state_dict)
 from .handle import scale_loss
@@ -17,5 +17,5 @@ __all__ = [
     "last_step_applied", "skipped_steps", "loss_scale", "loss_scale_tensor", "loss_scaler", "init",
     "half_function", "float_function", "promote_function", "bfloat16_function", "register_half_function", "register_float_function",
     "register_promote_function", "register_bfloat16_function", "LossScaler",
-    "NonFiniteGradientsError", "multi_tensor_apply",
+    "NonFiniteGradientsError", "multi_tensor_apply", "deactivate",
 ]

@@ -171,10 +171,9 @@ def _initialize(models, optimizers, context, num_losses, cast_model_outputs, sca
     if properties.patch_torch_functions:
         casting.init(loss_scale=properties.loss_scale, verbose=(context.verbosity == 2),
                      patch_type=properties.patch_torch_functions_type)
-    elif _amp_state.handle is not None:
-        # A previous O1/O4 initialize left its patches in place: remove them.
-        _amp_state.handle._deactivate()
-        _amp_state.handle = None
+    else:
+        # A previous O1/O4 initialize may have left its patches in place: remove them.
+        casting.deactivate()
     _amp_state.publish(context)
 
     if optimizers_container is None:

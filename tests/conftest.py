@@ -22,9 +22,7 @@ def pytest_collection_modifyitems(config, items):
 def fresh_amp():
     """Each test starts and ends without amp state, O1 patches or loss scalers left behind."""
     yield
-    if _amp_state.handle is not None:
-        _amp_state.handle._deactivate()
-    _amp_state.handle = None
+    amp.deactivate()
     _amp_state.opt_properties = None
     _amp_state.context = None
     _amp_state.loss_scalers = []
@@ -49,9 +47,7 @@ def low(request):
 def fresh_state():
     """Leave no handle, patch or pending registration behind."""
     yield
-    if _amp_state.handle is not None:
-        _amp_state.handle._deactivate()
-    _amp_state.handle = None
+    amp.deactivate()
     consume_registry()
 
 

@@ -10,6 +10,7 @@ import amp
 import amp.casting
 from amp._amp_state import _amp_state
 from amp.casting import lists
+from amp_common import batch, initialized, train_step
 
 
 def _patched_attributes():
@@ -34,6 +35,24 @@ def test_deactivate_restores_every_original(low, fresh_state):
     assert changed == []
     assert torch.nn.modules.rnn._VF is torch._VF
     assert set(vars(torch.Tensor)) == tensor_dict_before  # inherited methods inherited again
+
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O4"])
+def test_public_deactivate_undoes_initialize(opt_level):
+    before = _patched_attributes()
+    model, optimizer = initialized(opt_level)
+    assert torch.mm is not before[(torch, "mm")]
+    amp.deactivate()
+    after = _patched_attributes()
+    assert [name for (owner, name) in before if after[owner, name] is not before[owner, name]] == []
+    with pytest.raises(RuntimeError, match="dtype"):
+        torch.mm(torch.ones(2, 2, dtype=torch.float16), torch.ones(2, 2))  # plain torch refuses
+    assert model(batch(0)).dtype == torch.float32
+    train_step(model, optimizer, 0)  # the earlier run's optimizer still steps, without casts
+    amp.deactivate()  # nothing patched: a no-op
+    assert _amp_state.handle is None
+    train_step(*initialized("O2"), 1)
 
 
 def test_new_init_removes_previous_patches(low, fresh_state):

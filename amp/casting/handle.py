@@ -4,7 +4,8 @@
 and O4 (``torch.bfloat16``). Differences from Apex, on purpose: a new ``init`` removes the
 previous handle's patches first (no stacked wrappers); ``_deactivate`` restores every patched
 attribute, the RNN ``_VF`` shim included, in reverse order, and turns the handle (and so the
-decorators) off; ``disable_casts`` is exception safe and a no-op without a handle.
+decorators) off, and ``deactivate`` (``amp.deactivate()``) is its public form; ``disable_casts``
+is exception safe and a no-op without a handle.
 """
 import contextlib
 
@@ -17,7 +18,7 @@ from .wrap import (make_cast_wrapper, make_error_if_any_low_precision,
                    make_error_if_self_low_precision, make_match_self_wrapper,
                    make_promote_wrapper, make_sequence_promote_wrapper)
 
-__all__ = ["AmpHandle", "NoOpHandle", "init", "disable_casts"]
+__all__ = ["AmpHandle", "NoOpHandle", "init", "deactivate", "disable_casts"]
 
 _OLD_API_ERROR = (
     "The old Amp API (amp.init() + handle.scale_loss / handle.wrap_optimizer) is no longer "
@@ -181,9 +182,7 @@ def init(enabled=True, loss_scale="dynamic", enable_caching=True, verbose=False,
     if patch_type not in (torch.float16, torch.bfloat16):
         raise ValueError(f"patch_type must be torch.float16 (O1) or torch.bfloat16 (O4), "
                          f"got {patch_type}.")
-    previous = _amp_state.handle
-    if previous is not None:
-        previous._deactivate()
+    deactivate()
     if not enabled:
         handle = NoOpHandle()
     else:
@@ -195,6 +194,18 @@ def init(enabled=True, loss_scale="dynamic", enable_caching=True, verbose=False,
             raise
     _amp_state.handle = handle
     return handle
+
+
+def deactivate():
+    """Remove every O1/O4 patch: the patched torch functions are their original objects again.
+
+    A no-op when nothing is patched. Optimizers of earlier ``initialize`` calls keep working,
+    without the casts.
+    """
+    handle = _amp_state.handle
+    if handle is not None:
+        handle._deactivate()
+        _amp_state.handle = None
 
 
 @contextlib.contextmanager

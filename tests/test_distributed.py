@@ -3,8 +3,11 @@
 Starting processes is the slow part, so one spawn runs every scenario and each rank writes what
 it saw to a JSON file; the tests below then check one behaviour each.
 """
+import gc
 import json
+import os
 import socket
+import sys
 
 import pytest
 import torch
@@ -119,17 +122,25 @@ def wrapped_model_error():
 
 def worker(rank, port, out_dir):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
-    try:
-        results = dict(ddp=ddp_scenario(rank),
-                       seeded_apart={level: seeded_apart_scenario(rank, level) for level in ("O2", "O5")},
-                       ddp_state_dict=ddp_state_dict_scenario(rank),
-                       group_world=group_scenario(rank, dist.group.WORLD),
-                       new_group=group_scenario(rank, dist.new_group(list(range(WORLD)))),
-                       wrapped_error=wrapped_model_error())
-    finally:
-        dist.destroy_process_group()
+    results = dict(ddp=ddp_scenario(rank),
+                   seeded_apart={level: seeded_apart_scenario(rank, level) for level in ("O2", "O5")},
+                   ddp_state_dict=ddp_state_dict_scenario(rank),
+                   group_world=group_scenario(rank, dist.group.WORLD),
+                   new_group=group_scenario(rank, dist.new_group(list(range(WORLD)))),
+                   wrapped_error=wrapped_model_error())
+    # The scenarios' DDP objects (kept alive by reference cycles) must be gone before the group,
+    # and no rank may tear its group down while the other still talks to it: gloo aborts the
+    # process ("terminate called without an active exception") otherwise.
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
     with open(f"{out_dir}/rank{rank}.json", "w") as file:
         json.dump(results, file)
+    # The results are written: skip the interpreter's teardown, where a gloo thread still being
+    # torn down can abort the process after everything has succeeded.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 @pytest.fixture(scope="module")

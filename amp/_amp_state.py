@@ -35,6 +35,14 @@ class AmpContext:
     def enabled(self):
         return self.properties.enabled
 
+    def loss_scaler(self, loss_id):
+        """The scaler of loss ``loss_id``; an out-of-range id is an error that names ``num_losses``."""
+        scalers = self.loss_scalers
+        if isinstance(loss_id, bool) or not isinstance(loss_id, int) or not 0 <= loss_id < len(scalers):
+            raise IndexError(f"loss_id={loss_id!r} is out of range: amp.initialize was called with "
+                             f"num_losses={len(scalers)}, so loss_id must be in 0..{len(scalers) - 1}.")
+        return scalers[loss_id]
+
 
 class AmpState:
     def __init__(self):
@@ -69,14 +77,14 @@ def _is_rank_zero():
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
-def maybe_print(msg, rank0=False, level=logging.INFO, verbosity=None):
-    """Log ``msg`` to the ``amp`` logger unless verbosity is 0 (with ``rank0``, only on rank 0).
+def maybe_print(msg, rank0=False, verbosity=None):
+    """Log ``msg`` at INFO to the ``amp`` logger unless verbosity is 0 (with ``rank0``, only on rank 0).
 
     ``verbosity`` defaults to the latest ``initialize``'s.
     """
     verbosity = _amp_state.verbosity if verbosity is None else verbosity
     if verbosity > 0 and (not rank0 or _is_rank_zero()):
-        logger.log(level, msg)
+        logger.info(msg)
 
 
 def warn_or_err(msg):

@@ -317,11 +317,7 @@ def _scaler(loss_id, optimizer):
         context = _amp_state.context
     else:
         raise RuntimeError("amp.loss_scale() needs an enabled amp.initialize call first.")
-    scalers = context.loss_scalers
-    if isinstance(loss_id, bool) or not isinstance(loss_id, int) or not 0 <= loss_id < len(scalers):
-        raise IndexError(f"loss_id={loss_id!r} is out of range: amp.initialize was called with "
-                         f"num_losses={len(scalers)}, so loss_id must be in 0..{len(scalers) - 1}.")
-    return scalers[loss_id]
+    return context.loss_scaler(loss_id)
 
 
 def loss_scale(loss_id=0, optimizer=None):

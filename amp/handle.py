@@ -129,13 +129,9 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False,
     if context is None or not context.enabled:
         yield loss
         return
-    scalers = context.loss_scalers
-    if isinstance(loss_id, bool) or not isinstance(loss_id, int) or not 0 <= loss_id < len(scalers):
-        raise IndexError(f"loss_id={loss_id!r} is out of range: amp.initialize was called with "
-                         f"num_losses={len(scalers)}, so loss_id must be in 0..{len(scalers) - 1}.")
+    scaler = context.loss_scaler(loss_id)
     if not isinstance(loss, torch.Tensor):
         raise TypeError(f"scale_loss expects the loss tensor, got {type(loss).__name__}.")
-    scaler = scalers[loss_id]
     controllers = [optimizer._amp_stash for optimizer in optimizers]
 
     if not context.properties.master_weights and not scaler.dynamic and scaler.loss_scale() == 1.0:

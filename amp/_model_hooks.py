@@ -25,19 +25,23 @@ def applier(value, fn):
     """
     if isinstance(value, torch.Tensor):
         return fn(value)
-    if isinstance(value, (str, bytes)) or type(value).__module__ == "numpy":
+    # Plain containers first: they have no ``.to``, and torch.compile (before 2.5) cannot trace
+    # ``hasattr`` on them, which would split a compiled forward in two.
+    if type(value) in (list, tuple):
+        return type(value)(applier(item, fn) for item in value)
+    if type(value) is dict:
+        return {key: applier(item, fn) for key, item in value.items()}
+    if isinstance(value, (str, bytes)):
         return value
     if hasattr(value, "to") and callable(value.to) and not isinstance(value, nn.Module):
         return fn(value)
+    if isinstance(value, dict):
+        # copy.copy keeps the subclass and its extra state (defaultdict's factory, ...).
+        out = copy.copy(value)
+        for key, item in value.items():
+            out[key] = applier(item, fn)
+        return out
     if isinstance(value, collections.abc.Mapping):
-        if type(value) is dict:
-            return {key: applier(item, fn) for key, item in value.items()}
-        if isinstance(value, dict):
-            # copy.copy keeps the subclass and its extra state (defaultdict's factory, ...).
-            out = copy.copy(value)
-            for key, item in value.items():
-                out[key] = applier(item, fn)
-            return out
         return type(value)({key: applier(item, fn) for key, item in value.items()})
     if isinstance(value, tuple) and hasattr(value, "_fields"):
         return type(value)(*(applier(item, fn) for item in value))

@@ -127,6 +127,15 @@ def test_forward_passes_strings_through():
     assert model.seen[0] == "name" and model.seen[1].dtype == torch.float16
 
 
+def test_forward_passes_numpy_arrays_and_scalars_through_untouched():
+    np = pytest.importorskip("numpy")
+    array, scalar = np.ones(3, dtype=np.float32), np.float64(2.0)
+    model = echo()
+    model({"array": array, "scalar": scalar, "x": torch.ones(1)})
+    assert model.seen["array"] is array and model.seen["scalar"] is scalar
+    assert model.seen["x"].dtype == torch.float16
+
+
 @pytest.mark.parametrize("opt_level", ["O1", "O2"])
 def test_cast_model_outputs_forces_the_output_dtype(opt_level):
     model = amp.initialize(net(), opt_level=opt_level, cast_model_outputs=torch.float16, verbosity=0)

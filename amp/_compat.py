@@ -17,6 +17,11 @@ Probed and bound here:
   :func:`rnn_module`
 * ``nn.Module.register_state_dict_post_hook`` / ``register_load_state_dict_pre_hook`` ->
   :func:`register_state_dict_post_hook` / :func:`register_load_state_dict_pre_hook`
+  (public since torch 2.5; fallback: the private ``_register_state_dict_hook`` and
+  ``_register_load_state_dict_pre_hook(with_module=True)``, which call hooks the same way)
+* the mark an LR scheduler puts on the ``optimizer.step`` it wraps (``_wrapped_by_lr_sched``;
+  ``_with_counter`` before torch 2.4) and what that wrapper records when called ->
+  :data:`LR_SCHEDULER_STEP_MARKS` / :func:`record_step_for_lr_scheduler`
 * ``torch.sparse_coo_tensor(..., is_coalesced=)`` -> :func:`coalesced_sparse_coo_tensor`
   (fallback: ``coalesce()``)
 
@@ -30,7 +35,7 @@ import inspect
 
 import torch
 
-_ADVICE = "upgrade to torch>=2.1 (the version amp is tested with is 2.13)"
+_ADVICE = "upgrade to torch>=2.3 (CI tests 2.3.1 and 2.13.0)"
 
 FOREACH_OPS = ("_foreach_add_", "_foreach_copy_", "_foreach_mul_")
 
@@ -106,8 +111,43 @@ def _probe_rnn_internals():
     return lambda: rnn
 
 
-def _probe_module_method(name):
-    return getattr(torch.nn.Module, name, None) or _missing(f"torch.nn.Module.{name}")
+def _probe_state_dict_post_hook():
+    module = torch.nn.Module
+    if hasattr(module, "register_state_dict_post_hook"):
+        return module.register_state_dict_post_hook
+    # torch < 2.5: the private forerunner calls hook(module, state_dict, prefix, local_metadata).
+    if hasattr(module, "_register_state_dict_hook"):
+        return module._register_state_dict_hook
+    return _missing("torch.nn.Module.register_state_dict_post_hook")
+
+
+def _private_load_state_dict_pre_hook(module, hook):
+    return module._register_load_state_dict_pre_hook(hook, with_module=True)
+
+
+def _probe_load_state_dict_pre_hook():
+    module = torch.nn.Module
+    if hasattr(module, "register_load_state_dict_pre_hook"):
+        return module.register_load_state_dict_pre_hook
+    # torch < 2.5: with_module=True makes the private forerunner pass the module first.
+    if hasattr(module, "_register_load_state_dict_pre_hook"):
+        return _private_load_state_dict_pre_hook
+    return _missing("torch.nn.Module.register_load_state_dict_pre_hook")
+
+
+#: The attributes by which an LR scheduler knows that it wrapped ``optimizer.step`` already.
+LR_SCHEDULER_STEP_MARKS = ("_wrapped_by_lr_sched", "_with_counter")
+
+
+def record_step_for_lr_scheduler(optimizer, step):
+    """Record what ``step``'s LR-scheduler wrapper records when called, for a step amp skipped.
+
+    Without it the scheduler warns at its first ``step()`` that ``optimizer.step()`` never ran.
+    """
+    if hasattr(step, "_wrapped_by_lr_sched"):
+        optimizer._opt_called = True
+    elif hasattr(step, "_with_counter"):  # torch < 2.4 counts the calls instead
+        optimizer._step_count = getattr(optimizer, "_step_count", 0) + 1
 
 
 def _sparse_coo_is_coalesced(indices, values, size):
@@ -139,8 +179,8 @@ is_compiling = _probe_is_compiling()
 #: ``()``: ``torch.nn.modules.rnn``, whose ``_VF`` and ``RNNBase.check_input`` O1/O4 patch.
 rnn_module = _probe_rnn_internals()
 #: ``(module, hook)``: ``hook(module, state_dict, prefix, local_metadata)`` after ``state_dict``.
-register_state_dict_post_hook = _probe_module_method("register_state_dict_post_hook")
+register_state_dict_post_hook = _probe_state_dict_post_hook()
 #: ``(module, hook)``: ``hook(module, state_dict, prefix, *args)`` before ``load_state_dict``.
-register_load_state_dict_pre_hook = _probe_module_method("register_load_state_dict_pre_hook")
+register_load_state_dict_pre_hook = _probe_load_state_dict_pre_hook()
 #: ``(indices, values, size)``: a sparse COO tensor the caller knows to be coalesced.
 coalesced_sparse_coo_tensor = _probe_sparse_coo_is_coalesced()

@@ -24,7 +24,8 @@ import torch
 from torch.optim.optimizer import required
 
 from . import casting
-from ._compat import coalesced_sparse_coo_tensor, optimizer_accepts_found_inf
+from ._compat import (LR_SCHEDULER_STEP_MARKS, coalesced_sparse_coo_tensor, optimizer_accepts_found_inf,
+                      record_step_for_lr_scheduler)
 from ._master_weights import swap_in_fp32_masters
 from ._overflow_report import OverflowReporter, non_finite_grad_names
 from ._skip_counts import SkipCounts
@@ -329,8 +330,7 @@ class OptimizerController:
         else:
             # A scheduler that wrapped step() before amp did would otherwise warn that step() was
             # never called.
-            if hasattr(self.original_step, "_wrapped_by_lr_sched"):
-                self.optimizer._opt_called = True
+            record_step_for_lr_scheduler(self.optimizer, self.original_step)
             result = None
         self.host_total_skips += not applied
         self.host_consecutive_skips = 0 if applied else self.host_consecutive_skips + 1
@@ -598,13 +598,15 @@ def _process_optimizer(optimizer, context, param_names, fp32_values, max_consecu
         optimizer.zero_grad = controller.zero_grad
     optimizer.add_param_group = controller.add_param_group
     step = _amp_step
-    if hasattr(controller.original_step, "_wrapped_by_lr_sched"):
+    marks = [mark for mark in LR_SCHEDULER_STEP_MARKS if hasattr(controller.original_step, mark)]
+    if marks:
         # An LR scheduler created before initialize warns at its first step() unless it finds its
         # mark on optimizer.step; the mark goes on a per-optimizer copy, never on _amp_step itself.
         @functools.wraps(_amp_step)
         def step(self, *args, **kwargs):
             return _amp_step(self, *args, **kwargs)
-        step._wrapped_by_lr_sched = True
+        for mark in marks:
+            setattr(step, mark, True)
     # Bound to the optimizer itself: an LR scheduler created later rebinds step's function to it.
     optimizer.step = types.MethodType(step, optimizer)
     # Masters are made now (Apex made them lazily) so that checkpoints loaded right after

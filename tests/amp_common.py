@@ -7,11 +7,32 @@ fp32 run bit for bit. Where a level rounds the model itself (O1-O5), the tests s
 compare and with which tolerance.
 """
 import copy
+import functools
 
+import pytest
 import torch
 from torch import nn
 
 import amp
+
+@functools.lru_cache(maxsize=None)
+def has_fused(optimizer_class, device="cpu"):
+    """Whether this torch steps ``optimizer_class(fused=True)`` on ``device`` (CPU: torch >= 2.4)."""
+    param = torch.zeros(1, device=device, requires_grad=True)
+    param.grad = torch.ones_like(param)
+    try:
+        optimizer_class([param], lr=0.1, fused=True).step()
+    except (TypeError, RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+def needs_fused(*optimizer_classes, device="cpu"):
+    """Skip mark for a test of fused optimizers on a torch that has not got them on ``device``."""
+    missing = [cls.__name__ for cls in optimizer_classes if not has_fused(cls, device)]
+    return pytest.mark.skipif(bool(missing), reason=f"torch {torch.__version__} has no fused "
+                              f"{', '.join(missing)} on {device}")
+
 
 LEVELS = ["O0", "O1", "O2", "O3", "O4", "O5"]
 LOW_DTYPE = {"O0": torch.float32, "O1": torch.float16, "O2": torch.float16, "O3": torch.float16,

@@ -5,19 +5,33 @@ import pytest
 import torch
 
 from amp import _compat
+from amp_common import needs_fused
 
 
 def test_probes_bind_torch_itself():
     assert _compat.non_finite_check_and_unscale_ is torch._amp_foreach_non_finite_check_and_unscale_
-    assert _compat.foreach_norm is torch._foreach_norm
+    try:
+        torch._foreach_norm([torch.ones(1)], 2, dtype=torch.float32)
+    except TypeError:  # torch < 2.4
+        assert _compat.foreach_norm is _compat._vector_norms
+    else:
+        assert _compat.foreach_norm is torch._foreach_norm
     assert _compat.is_compiling is torch.compiler.is_compiling
     assert _compat.rnn_module() is torch.nn.modules.rnn
-    assert _compat.register_state_dict_post_hook is torch.nn.Module.register_state_dict_post_hook
-    assert (_compat.register_load_state_dict_pre_hook
-            is torch.nn.Module.register_load_state_dict_pre_hook)
+    if hasattr(torch.nn.Module, "register_state_dict_post_hook"):  # torch >= 2.5
+        assert (_compat.register_state_dict_post_hook
+                is torch.nn.Module.register_state_dict_post_hook)
+        assert (_compat.register_load_state_dict_pre_hook
+                is torch.nn.Module.register_load_state_dict_pre_hook)
+    else:
+        assert (_compat.register_state_dict_post_hook
+                is torch.nn.Module._register_state_dict_hook)
+        assert (_compat.register_load_state_dict_pre_hook
+                is _compat._private_load_state_dict_pre_hook)
     assert _compat.coalesced_sparse_coo_tensor is _compat._sparse_coo_is_coalesced
 
 
+@needs_fused(torch.optim.Adam)
 def test_found_inf_contract():
     param = torch.zeros(1, requires_grad=True)
     assert _compat.optimizer_accepts_found_inf(torch.optim.Adam([param], fused=True))
@@ -45,11 +59,31 @@ def test_missing_rnn_internals_names_them(monkeypatch):
         rnn_module()
 
 
-def test_missing_state_dict_hook_names_it(monkeypatch):
-    monkeypatch.delattr(torch.nn.Module, "register_state_dict_post_hook")
-    register = _compat._probe_module_method("register_state_dict_post_hook")
-    with pytest.raises(RuntimeError, match="register_state_dict_post_hook"):
-        register(torch.nn.Linear(1, 1), lambda *args: None)
+@pytest.mark.parametrize("public, private, probe", [
+    ("register_state_dict_post_hook", "_register_state_dict_hook",
+     _compat._probe_state_dict_post_hook),
+    ("register_load_state_dict_pre_hook", "_register_load_state_dict_pre_hook",
+     _compat._probe_load_state_dict_pre_hook),
+])
+def test_missing_state_dict_hook_names_it(monkeypatch, public, private, probe):
+    monkeypatch.delattr(torch.nn.Module, public, raising=False)
+    monkeypatch.delattr(torch.nn.Module, private)
+    with pytest.raises(RuntimeError, match=public):
+        probe()(torch.nn.Linear(1, 1), lambda *args: None)
+
+
+def test_state_dict_hooks_of_torch_before_2_5_are_called_like_the_public_ones(monkeypatch):
+    monkeypatch.delattr(torch.nn.Module, "register_state_dict_post_hook", raising=False)
+    monkeypatch.delattr(torch.nn.Module, "register_load_state_dict_pre_hook", raising=False)
+    seen = []
+    module = torch.nn.Linear(1, 1)
+    _compat._probe_state_dict_post_hook()(
+        module, lambda *args: seen.append(("saved", args[0], sorted(args[1]), args[2])))
+    _compat._probe_load_state_dict_pre_hook()(
+        module, lambda *args: seen.append(("loading", args[0], sorted(args[1]), args[2])))
+    module.load_state_dict(module.state_dict())
+    assert seen == [("saved", module, ["bias", "weight"], ""),
+                    ("loading", module, ["bias", "weight"], "")]
 
 
 def test_foreach_norm_without_dtype_falls_back(monkeypatch):
@@ -62,6 +96,7 @@ def test_foreach_norm_without_dtype_falls_back(monkeypatch):
     assert foreach_norm(xs, 2, dtype=torch.float32)[0].dtype == torch.float32
 
 
+@needs_fused(torch.optim.Adam)
 def test_missing_found_inf_contract_reads_flag_on_host(monkeypatch):
     adam = importlib.import_module("torch.optim.adam")
     monkeypatch.setattr(adam, "adam", lambda params, grads: None)

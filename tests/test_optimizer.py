@@ -6,7 +6,7 @@ import torch
 
 import amp
 from amp_common import (LOW_DTYPE, MASTER_LEVELS, assert_identical, batch, initialized, loss_of,
-                        net, poison_grad, sgd, snapshot, train_step)
+                        needs_fused, net, poison_grad, sgd, snapshot, train_step)
 
 
 def test_initialize_attaches_an_amp_stash():
@@ -93,6 +93,26 @@ def test_step_lr_works_without_warnings_when_the_first_step_is_skipped(scheduler
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**3)
 
 
+def test_an_lr_scheduler_of_torch_before_2_4_finds_its_mark_and_count_after_a_skipped_step():
+    model = net()
+    optimizer = sgd(model.parameters())
+    # What an LR scheduler of torch < 2.4 did to optimizer.step when it was constructed.
+    original_step = optimizer.step
+
+    def with_counter(*args, **kwargs):
+        optimizer._step_count += 1
+        return original_step(*args, **kwargs)
+    with_counter._with_counter = True
+    optimizer.step, optimizer._step_count = with_counter, 0
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O2", verbosity=0)
+    assert getattr(optimizer.step, "_with_counter", False)
+    assert not hasattr(optimizer.step, "_wrapped_by_lr_sched")
+    train_step(model, optimizer, 0, inject=True)
+    assert int(amp.skipped_steps(optimizer)) == 1 and optimizer._step_count == 1
+    train_step(model, optimizer, 1)
+    assert int(amp.skipped_steps(optimizer)) == 1 and optimizer._step_count == 2
+
+
 def test_step_hooks_fire_on_applied_steps_only():
     model, optimizer = initialized("O2")
     calls = []
@@ -121,8 +141,11 @@ OPTIMIZERS = {
 }
 
 
+FUSED = {"adam_fused": needs_fused(torch.optim.Adam), "adamw_fused": needs_fused(torch.optim.AdamW)}
+
+
 @pytest.mark.parametrize("opt_level", ["O1", "O2"])
-@pytest.mark.parametrize("name", list(OPTIMIZERS))
+@pytest.mark.parametrize("name", [pytest.param(name, marks=FUSED.get(name, ())) for name in OPTIMIZERS])
 def test_overflow_skips_the_next_step_exactly(opt_level, name):
     model, optimizer = initialized(opt_level, OPTIMIZERS[name])
     train_step(model, optimizer, 0)
@@ -143,7 +166,7 @@ def test_overflow_skips_the_next_step_exactly(opt_level, name):
         assert all(m.grad is None for m in optimizer._amp_stash.all_fp32_from_fp16_params)
 
 
-@pytest.mark.parametrize("name", ["adam_fused", "adamw_fused"])
+@pytest.mark.parametrize("name", [pytest.param(name, marks=mark) for name, mark in FUSED.items()])
 def test_fused_optimizers_take_the_sync_free_found_inf_path(name, monkeypatch):
     model, optimizer = initialized("O2", OPTIMIZERS[name])
     assert optimizer._step_supports_amp_scaling

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 import amp
+from amp_common import needs_fused
 
 HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__")
 
@@ -67,8 +68,9 @@ def data(device="cpu"):
 
 
 @pytest.mark.parametrize("opt_level", ["O1", "O2"])
-@pytest.mark.parametrize("optimizer_class", [torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD,
-                                             torch.optim.Adagrad])
+@pytest.mark.parametrize("optimizer_class", [
+    pytest.param(cls, marks=needs_fused(cls), id=cls.__name__)
+    for cls in (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)])
 def test_fused_optimizer_step_reads_nothing_on_the_host(opt_level, optimizer_class):
     model = make_model()
     optimizer = optimizer_class(model.parameters(), lr=1e-2, fused=True)
@@ -78,7 +80,12 @@ def test_fused_optimizer_step_reads_nothing_on_the_host(opt_level, optimizer_cla
     with count_host_reads() as reads:
         for step in range(4):
             train_step(model, optimizer, x, y, inject_inf=(step == 2))
-    assert reads == []
+    if getattr(optimizer, "_step_supports_amp_scaling", False):
+        assert reads == []
+    else:
+        # torch 2.5's fused Adagrad lacks the found_inf contract: amp reads the flag once a step
+        # (and, with it already on the host, the scale for the skip message).
+        assert reads == ["tolist", "tolist", "tolist", "item", "tolist"]
     assert amp.skipped_steps(optimizer).item() == 1
 
 
@@ -95,6 +102,7 @@ def test_unfused_optimizer_reads_the_flag_once_per_step():
     assert reads == ["tolist"] * 3
 
 
+@needs_fused(torch.optim.Adam)
 @pytest.mark.parametrize("opt_level", ["O1", "O2"])
 def test_fused_skip_leaves_params_state_and_step_counters_untouched(opt_level):
     model = make_model()
@@ -112,7 +120,7 @@ def test_fused_skip_leaves_params_state_and_step_counters_untouched(opt_level):
         assert all(m.grad is None for m in optimizer._amp_stash.all_fp32_from_fp16_params)
 
 
-@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("fused", [False, pytest.param(True, marks=needs_fused(torch.optim.Adam))])
 def test_fused_and_unfused_adam_train_to_the_same_values(fused):
     """The sync-free path changes where the skip decision is made, not the arithmetic."""
     def run(fused):
@@ -131,7 +139,7 @@ def test_fused_and_unfused_adam_train_to_the_same_values(fused):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("fused", [False, pytest.param(True, marks=needs_fused(torch.optim.SGD))])
 def test_last_step_applied_and_skipped_steps_follow_skips(fused):
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, fused=fused)
@@ -146,6 +154,7 @@ def test_last_step_applied_and_skipped_steps_follow_skips(fused):
     assert amp.skipped_steps(optimizer).device == next(model.parameters()).device
 
 
+@needs_fused(torch.optim.Adam)
 def test_ema_that_follows_skips_without_a_sync():
     """The documented pattern: scale the EMA update by last_step_applied on the device."""
     model = make_model()
@@ -163,6 +172,7 @@ def test_ema_that_follows_skips_without_a_sync():
             assert_all_equal(ema_before, ema)
 
 
+@needs_fused(torch.optim.Adam)
 def test_consecutive_skip_limit_also_trips_on_the_sync_free_path():
     model = make_model()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2, fused=True)

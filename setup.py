@@ -187,7 +187,9 @@ setup(
     version="0.1.0",
     packages=find_packages(include=["amp", "amp.*", "fp16_utils", "fp16_utils.*"]),
     python_requires=">=3.9",
-    install_requires=["torch>=2.1,<3", "packaging"],
+    # 2.3 is the oldest torch CI runs the whole suite on (with and without amp_C): the first
+    # with a CPU kernel for the grad unscale that amp's CPU path shares with torch's GradScaler.
+    install_requires=["torch>=2.3,<3", "packaging"],
     extras_require={
         # The tests run the examples' smoke modes, so they need the examples' packages too.
         "test": ["pytest>=7", "hypothesis>=6", "ninja", "scikit-learn", "tqdm", "matplotlib"],

@@ -4,6 +4,7 @@ The opt-level table below is the single source of truth for what each preset mea
 """
 import copy
 from collections import OrderedDict
+from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -14,27 +15,37 @@ from ._initialize import _initialize
 __all__ = ["initialize", "state_dict", "load_state_dict", "master_params", "last_step_applied",
            "skipped_steps", "loss_scale", "loss_scale_tensor", "loss_scaler", "Properties"]
 
-LOW_PRECISION_OPT_LEVELS = {"O1": torch.float16, "O4": torch.bfloat16}
 CAST_MODEL_TYPES = (torch.float16, torch.bfloat16, torch.float32)
 
-# opt level -> (brief, options). Every preset also sets enabled=True and opt_level.
+
+class OptLevel(NamedTuple):
+    """One preset: what it does, the dtype O1/O4 patch torch functions to, and its options."""
+
+    brief: str
+    patch_type: Optional[torch.dtype]
+    options: dict
+
+
+# Every preset also sets enabled=True and opt_level.
 OPT_LEVELS = {
-    "O0": ("Pure FP32 training.", dict(
+    "O0": OptLevel("Pure FP32 training.", None, dict(
         cast_model_type=torch.float32, patch_torch_functions=False, keep_batchnorm_fp32=None,
         master_weights=False, loss_scale=1.0)),
-    "O1": ("Insert automatic casts around PyTorch functions and Tensor methods (FP16).", dict(
+    "O1": OptLevel("Insert automatic casts around PyTorch functions and Tensor methods (FP16).",
+                   torch.float16, dict(
         cast_model_type=None, patch_torch_functions=True, keep_batchnorm_fp32=None,
         master_weights=None, loss_scale="dynamic")),
-    "O2": ("FP16 training with FP32 batchnorm and FP32 master weights.", dict(
+    "O2": OptLevel("FP16 training with FP32 batchnorm and FP32 master weights.", None, dict(
         cast_model_type=torch.float16, patch_torch_functions=False, keep_batchnorm_fp32=True,
         master_weights=True, loss_scale="dynamic")),
-    "O3": ("Pure FP16 training.", dict(
+    "O3": OptLevel("Pure FP16 training.", None, dict(
         cast_model_type=torch.float16, patch_torch_functions=False, keep_batchnorm_fp32=False,
         master_weights=False, loss_scale=1.0)),
-    "O4": ("Insert automatic casts around PyTorch functions and Tensor methods (BF16).", dict(
+    "O4": OptLevel("Insert automatic casts around PyTorch functions and Tensor methods (BF16).",
+                   torch.bfloat16, dict(
         cast_model_type=None, patch_torch_functions=True, keep_batchnorm_fp32=None,
         master_weights=None, loss_scale=1.0)),
-    "O5": ("BF16 training with FP32 batchnorm and FP32 master weights.", dict(
+    "O5": OptLevel("BF16 training with FP32 batchnorm and FP32 master weights.", None, dict(
         cast_model_type=torch.bfloat16, patch_torch_functions=False, keep_batchnorm_fp32=True,
         master_weights=True, loss_scale=1.0)),
 }
@@ -63,7 +74,8 @@ class Properties:
     @property
     def patch_torch_functions_type(self):
         """The low-precision dtype O1/O4 casts to, or None when functions are not patched."""
-        return LOW_PRECISION_OPT_LEVELS.get(self.opt_level) if self.patch_torch_functions else None
+        level = OPT_LEVELS.get(self.opt_level)
+        return level.patch_type if level is not None and self.patch_torch_functions else None
 
     def __setattr__(self, name, value):
         if "options" not in self.__dict__:
@@ -71,7 +83,8 @@ class Properties:
             return
         if name not in self.options:
             raise AttributeError(f"'{type(self).__name__}' has no option '{name}'")
-        patching_level = self.opt_level in LOW_PRECISION_OPT_LEVELS
+        level = OPT_LEVELS.get(self.opt_level)
+        patching_level = level is not None and level.patch_type is not None
         if name == "cast_model_type":
             if patching_level and value not in (None, False, torch.float32):
                 warn_or_err(f"{self.opt_level} inserts casts around Torch functions rather than "
@@ -149,9 +162,9 @@ def _check_arguments(enabled, opt_level, verbosity, num_losses, cast_model_outpu
         return
     if not isinstance(opt_level, str) or opt_level not in OPT_LEVELS:
         raise RuntimeError(
-            f"Unexpected optimization level {opt_level!r}. Options are 'O0', 'O1', 'O2', 'O3', "
-            "'O4', 'O5'. Note that in `O0`, `O1`, etc., the prefix O is the letter O, not the "
-            "number zero.")
+            f"Unexpected optimization level {opt_level!r}. Options are "
+            f"{', '.join(map(repr, OPT_LEVELS))}. Note that in `O0`, `O1`, etc., the prefix O is "
+            "the letter O, not the number zero.")
     _check_positive_int("num_losses", num_losses)
     _check_positive_int("growth_interval", growth_interval)
     _check_positive_int("hysteresis", hysteresis)
@@ -171,7 +184,7 @@ def _properties_for(opt_level, overrides):
     properties = Properties()
     properties.enabled = True
     properties.opt_level = opt_level
-    for key, value in OPT_LEVELS[opt_level][1].items():
+    for key, value in OPT_LEVELS[opt_level].options.items():
         properties.options[key] = value
     for key, value in overrides.items():
         if value is not None:
@@ -239,10 +252,10 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
                          min_loss_scale=min_loss_scale, max_loss_scale=max_loss_scale)
     result = _initialize(models, optimizers, context, num_losses, cast_model_outputs,
                          scaler_options, max_consecutive_skips)
-    brief, preset = OPT_LEVELS[opt_level]
-    maybe_print(f"Selected optimization level {opt_level}:  {brief}\n"
+    level = OPT_LEVELS[opt_level]
+    maybe_print(f"Selected optimization level {opt_level}:  {level.brief}\n"
                 f"Defaults for this optimization level are:\n"
-                f"{_options_table(dict(enabled=True, opt_level=opt_level, **preset))}\n"
+                f"{_options_table(dict(enabled=True, opt_level=opt_level, **level.options))}\n"
                 "After processing overrides, optimization options are:\n"
                 f"{_options_table(properties.options)}", rank0=True, verbosity=verbosity)
     return result

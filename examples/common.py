@@ -10,7 +10,8 @@ import random
 import numpy as np
 import torch
 
-OPT_LEVELS = ("O0", "O1", "O2", "O3", "O4", "O5")
+from amp.frontend import OPT_LEVELS
+
 TEST_FRACTION = 0.2
 # load_digits() holds 1797 images; a 0.2 test split leaves these for training. Known up front so
 # that argparse can reject a batch size no epoch could fill.
@@ -118,7 +119,7 @@ def default_device():
 
 def add_common_args(parser, default_opt_level):
     """The options every example shares: precision preset, device, seed and smoke mode."""
-    parser.add_argument("--opt-level", choices=OPT_LEVELS, default=default_opt_level,
+    parser.add_argument("--opt-level", choices=list(OPT_LEVELS), default=default_opt_level,
                         help="amp preset: O0 fp32, O1 fp16 casts, O2 fp16 model with fp32 masters, "
                              "O3 pure fp16, O4/O5 the bfloat16 versions of O1/O2 "
                              f"(default {default_opt_level})")

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 import amp
+from amp.frontend import OPT_LEVELS
 
 @functools.lru_cache(maxsize=None)
 def has_fused(optimizer_class, device="cpu"):
@@ -34,9 +35,11 @@ def needs_fused(*optimizer_classes, device="cpu"):
                               f"{', '.join(missing)} on {device}")
 
 
-LEVELS = ["O0", "O1", "O2", "O3", "O4", "O5"]
-LOW_DTYPE = {"O0": torch.float32, "O1": torch.float16, "O2": torch.float16, "O3": torch.float16,
-             "O4": torch.bfloat16, "O5": torch.bfloat16}
+# From amp's opt-level table; tests/test_initialize.py pins the table itself to Apex's presets.
+LEVELS = list(OPT_LEVELS)
+# The dtype each level trains in: the one O1/O4 patch to, else the one the model is cast to.
+LOW_DTYPE = {name: level.patch_type or level.options["cast_model_type"]
+             for name, level in OPT_LEVELS.items()}
 MASTER_LEVELS = ("O2", "O5")
 # Tolerance of one low-precision rounding of weights, activations and grads against fp32.
 TOLERANCES = {torch.float16: dict(rtol=2e-2, atol=2e-3), torch.bfloat16: dict(rtol=8e-2, atol=2e-2)}

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from amp_common import LEVELS
+
 REPO = Path(__file__).resolve().parents[1]
 TREND = re.compile(r"first(?: loss)? (\S+) last(?: loss)? (\S+)")
 
@@ -44,7 +46,7 @@ def free_port():
         return sock.getsockname()[1]
 
 
-@pytest.mark.parametrize("opt_level", ["O0", "O1", "O2", "O3", "O4", "O5"])
+@pytest.mark.parametrize("opt_level", LEVELS)
 def test_simple_smoke_learns_at_every_opt_level(opt_level):
     result = run("examples/simple/train.py", "--smoke", "--device", "cpu", "--opt-level", opt_level)
     assert_succeeded_and_learned(result)

@@ -9,9 +9,10 @@ from torch import nn
 
 import amp
 from amp._amp_state import _amp_state
-from amp.frontend import Properties
+from amp.frontend import OPT_LEVELS, Properties
 from amp_common import LEVELS, LOW_DTYPE, MASTER_LEVELS, batch, initialized, net, sgd
 
+# Apex's presets, written out here rather than read from amp's table, so that they pin it.
 PRESETS = {
     "O0": dict(cast_model_type=torch.float32, patch_torch_functions=False, keep_batchnorm_fp32=None,
                master_weights=False, loss_scale=1.0),
@@ -26,6 +27,21 @@ PRESETS = {
     "O5": dict(cast_model_type=torch.bfloat16, patch_torch_functions=False, keep_batchnorm_fp32=True,
                master_weights=True, loss_scale=1.0),
 }
+
+
+def test_opt_level_table_holds_apexs_six_presets_and_o1_o4_patch_types():
+    assert list(OPT_LEVELS) == list(PRESETS)
+    assert {name: level.options for name, level in OPT_LEVELS.items()} == PRESETS
+    assert {name: level.patch_type for name, level in OPT_LEVELS.items()} == {
+        "O0": None, "O1": torch.float16, "O2": None, "O3": None, "O4": torch.bfloat16, "O5": None}
+
+
+@pytest.mark.parametrize("opt_level", LEVELS)
+def test_only_o1_and_o4_patch_torch_functions_each_to_its_dtype(opt_level):
+    initialized(opt_level)
+    x = torch.ones(2, 2)
+    expected = {"O1": torch.float16, "O4": torch.bfloat16}.get(opt_level, torch.float32)
+    assert torch.mm(x, x).dtype == expected
 
 
 @pytest.mark.parametrize("opt_level", LEVELS)

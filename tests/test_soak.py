@@ -5,6 +5,7 @@ rule: an overflow halves the scale and resets the growth count; ``growth_interva
 in a row double it, capped at ``max_loss_scale``.
 """
 import random
+import warnings
 
 import torch
 from torch import nn
@@ -23,16 +24,19 @@ def injection_schedule(seed=1234, probability=0.03):
     return {step for step in range(STEPS) if rng.random() < probability}
 
 
-def predicted_scale(injected):
+def predicted_scales(injected):
+    """(final scale, lowest scale) of the schedule."""
     scale, clean = 2.0**16, 0
+    lowest = scale
     for step in range(STEPS):
         if step in injected:
             scale, clean = scale / 2, 0
+            lowest = min(lowest, scale)
         else:
             clean += 1
             if clean == INTERVAL:
                 scale, clean = min(scale * 2, MAX_SCALE), 0
-    return scale
+    return scale, lowest
 
 
 class Tiny(nn.Module):
@@ -55,6 +59,21 @@ def test_soak_skips_exactly_the_injected_steps_and_ends_at_the_predicted_scale()
     model, optimizer = amp.initialize(model, optimizer, opt_level="O2", verbosity=0, growth_interval=INTERVAL,
                                       max_loss_scale=MAX_SCALE)
     x = torch.randn(8, 3)
+    final_scale, lowest_scale = predicted_scales(injected)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run_soak(model, optimizer, x, injected)
+    # Injections outpace growth in this schedule, so the scale drifts below 1, which warns once.
+    below_one = [w for w in caught if "below 1.0" in str(w.message)]
+    assert len(below_one) == (1 if lowest_scale < 1 else 0)
+    assert not [w for w in caught if w not in below_one]
+    # SGD never turns an inf or NaN parameter finite again, so finite at the end means finite throughout.
+    assert all(bool(torch.isfinite(p).all()) for p in list(amp.master_params(optimizer)) + list(model.parameters()))
+    assert int(amp.skipped_steps(optimizer)) == len(injected)
+    assert _amp_state.loss_scalers[0].loss_scale() == final_scale
+
+
+def run_soak(model, optimizer, x, injected):
     for step in range(STEPS):
         # Small enough that even the largest scale never overflows on its own: only injections skip.
         loss = model(x).pow(2).mean() * 1e-4
@@ -64,7 +83,3 @@ def test_soak_skips_exactly_the_injected_steps_and_ends_at_the_predicted_scale()
                 poison_grad(model.weight, float("inf") if step % 2 else float("nan"))
         optimizer.step()
         optimizer.zero_grad()
-    # SGD never turns an inf or NaN parameter finite again, so finite at the end means finite throughout.
-    assert all(bool(torch.isfinite(p).all()) for p in list(amp.master_params(optimizer)) + list(model.parameters()))
-    assert int(amp.skipped_steps(optimizer)) == len(injected)
-    assert _amp_state.loss_scalers[0].loss_scale() == predicted_scale(injected)

@@ -41,6 +41,26 @@ def test_bmm_is_low_precision_on_every_build(handle, low, device):
         check_against_fp32(lambda t: torch.bmm(t, t), x, dt, low, TOLERANCES[low])
 
 
+def test_scaled_dot_product_attention_is_low_precision_with_its_float_mask(handle, low, device):
+    x, dtypes = _inputs(low, 2, 3, 5, 8, device=device)
+    mask = torch.randn(5, 5, device=device)
+    for dt in dtypes:
+        check_against_fp32(lambda t: F.scaled_dot_product_attention(t, t, t, attn_mask=mask),
+                           x, dt, low, TOLERANCES[low])
+
+
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float32])
+def test_multihead_attention_with_a_mask_runs_in_low_precision(handle, low, device, mask_dtype):
+    torch.manual_seed(0)
+    attention = nn.MultiheadAttention(8, 2, batch_first=True).to(device)
+    causal = torch.triu(torch.ones(5, 5, dtype=torch.bool, device=device), 1)
+    mask = causal if mask_dtype is torch.bool else torch.zeros(5, 5, device=device).masked_fill(
+        causal, float("-inf"))
+    x = torch.randn(2, 5, 8, device=device)
+    check_against_fp32(lambda t: attention(t, t, t, attn_mask=mask, need_weights=False)[0],
+                       x, torch.float32, low, TOLERANCES[low])
+
+
 def test_softmax_is_float(handle, low, device):
     x, dtypes = _inputs(low, 4, 8, device=device)
     for dt in dtypes:

@@ -60,9 +60,12 @@ TENSOR_PROMOTE = (
 )
 
 # torch.nn.functional.*
+# scaled_dot_product_attention came after Apex; torch.autocast runs it in low precision, and so do
+# we. Left unpatched, MultiheadAttention under O1/O4 hands it the low-precision q/k/v of its
+# patched projections with a float mask made in its fp32 input's dtype, which torch < 2.4 refuses.
 FUNCTIONAL_LOW_PRECISION = (
     "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
-    "conv_tbc", "linear",
+    "conv_tbc", "linear", "scaled_dot_product_attention",
 )
 FUNCTIONAL_FP32 = (
     "interpolate", "grid_sample", "softplus", "softmin", "log_softmax", "softmax", "gelu",

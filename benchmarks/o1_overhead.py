@@ -84,10 +84,10 @@ def run_engine(model, x, dtype, iters, device):
     try:
         def step():
             _step(model, x)
-            handle._clear_cache()  # what amp.scale_loss does at exit
+            handle.cache.clear()  # what amp.scale_loss does at exit
         return _time(step, iters, device)
     finally:
-        handle._deactivate()
+        amp.deactivate()
 
 
 def run_autocast(model, x, dtype, iters, device):
@@ -106,10 +106,10 @@ def profile_engine(model, x, dtype, iters):
         profiler.enable()
         for _ in range(iters):
             _step(model, x)
-            handle._clear_cache()
+            handle.cache.clear()
         profiler.disable()
     finally:
-        handle._deactivate()
+        amp.deactivate()
     pstats.Stats(profiler).sort_stats("tottime").print_stats(12)
 
 

@@ -237,6 +237,17 @@ def write_json(path, device, args, tables):
         json.dump(report, f, indent=1)
 
 
+def has_fused_adamw(device):
+    """Whether this torch steps ``AdamW(fused=True)`` on ``device`` (on the CPU from torch 2.4)."""
+    param = torch.zeros(1, device=device, requires_grad=True)
+    param.grad = torch.zeros_like(param)
+    try:
+        torch.optim.AdamW([param], fused=True).step()
+    except RuntimeError:
+        return False
+    return True
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
@@ -253,6 +264,9 @@ def main():
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda needs a CUDA GPU")
+    if args.fused and not has_fused_adamw(device):
+        print(f"torch {torch.__version__} has no fused AdamW on {device.type}: using the for-loop one")
+        args.fused = False
     print(f"device={device} torch={torch.__version__} threads={torch.get_num_threads()} "
           f"size={args.size} fused AdamW={args.fused} "
           f"amp_C={amp.multi_tensor_apply.multi_tensor_applier.available}")

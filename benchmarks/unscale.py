@@ -18,7 +18,11 @@ import time
 
 import torch
 
-import amp_C
+try:
+    import amp_C
+except ImportError as err:
+    raise SystemExit(f"benchmarks/unscale.py times the amp_C kernels, which did not import ({err}). "
+                     "Build them first: AMP_CPP_EXT=1 python setup.py build_ext --inplace") from None
 
 CHUNK = 2048 * 32
 

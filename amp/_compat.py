@@ -32,6 +32,7 @@ in-place counter), sparse ``Tensor._indices()`` / ``_values()``.
 """
 import importlib
 import inspect
+import warnings
 
 import torch
 
@@ -151,8 +152,12 @@ def record_step_for_lr_scheduler(optimizer, step):
 
 
 def _sparse_coo_is_coalesced(indices, values, size):
-    return torch.sparse_coo_tensor(indices, values, size, is_coalesced=True,
-                                   check_invariants=False)
+    # The indices come from coalesce(), so torch's invariant check is skipped on purpose; some
+    # torch versions (2.11) warn about the skip itself, which would only be noise to users.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Sparse invariant checks are implicitly disabled")
+        return torch.sparse_coo_tensor(indices, values, size, is_coalesced=True,
+                                       check_invariants=False)
 
 
 def _sparse_coo_coalesce(indices, values, size):

@@ -1,11 +1,17 @@
 """amp._compat: each probe finds its torch API here, and a missing one fails clearly."""
 import importlib
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from amp import _compat
 from amp_common import needs_fused
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def test_probes_bind_torch_itself():
@@ -122,3 +128,12 @@ def test_sparse_coo_without_is_coalesced_falls_back(monkeypatch):
     assert make is _compat._sparse_coo_coalesce
     out = make(torch.tensor([[1, 0]]), torch.tensor([2.0, 3.0]), (2,))
     assert out.is_coalesced() and out.to_dense().tolist() == [3.0, 2.0]
+
+
+
+def test_importing_amp_warns_about_nothing():
+    # The probes run at import: a torch warning from one would greet every user.
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    result = subprocess.run([sys.executable, "-W", "error", "-c", "import amp"], cwd=REPO, env=env,
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr

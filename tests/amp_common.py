@@ -16,6 +16,7 @@ from torch import nn
 import amp
 from amp.frontend import OPT_LEVELS
 
+
 @functools.lru_cache(maxsize=None)
 def has_fused(optimizer_class, device="cpu"):
     """Whether this torch steps ``optimizer_class(fused=True)`` on ``device`` (CPU: torch >= 2.4)."""

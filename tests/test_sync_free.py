@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import amp
-from amp_common import needs_fused
+from amp_common import has_fused, needs_fused
 
 HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__")
 
@@ -65,6 +65,13 @@ def data(device="cpu"):
     x = torch.randn(32, 8, generator=generator).to(device)
     y = torch.randint(0, 4, (32,), generator=generator).to(device)
     return x, y
+
+
+def test_fused_tests_skip_only_where_torch_has_no_fused_cpu_optimizers():
+    # Guards needs_fused: a probe that failed for another reason would silently skip the tests.
+    classes = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
+    expected = torch.torch_version.TorchVersion(torch.__version__) >= (2, 4)
+    assert [has_fused(cls) for cls in classes] == [expected] * len(classes)
 
 
 @pytest.mark.parametrize("opt_level", ["O1", "O2"])

@@ -11,7 +11,7 @@ from . import casting
 from ._amp_state import _amp_state, warn_or_err
 from ._master_weights import convert_network
 from ._model_hooks import cast_forward, register_fp32_state_dict_hooks, to_type
-from ._process_optimizer import ATTACHED_METHODS, _process_optimizer
+from ._process_optimizer import ATTACHED_METHODS, _process_optimizer, check_trainable_dtype
 from .scaler import LossScaler
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -103,21 +103,15 @@ def _named_params(models):
 
 
 def _check_param_dtypes(param_names, optimizers):
-    """Reject what amp cannot train in mixed precision, naming the parameter and the fix."""
+    """Reject what amp cannot train in mixed precision, naming the parameter and the fix; the
+    optimizers' params that no model names are named by position."""
     params = dict(param_names)
     for opt_idx, optimizer in enumerate(optimizers):
         for group in optimizer.param_groups:
             for index, param in enumerate(group["params"]):
                 params.setdefault(param, f"<parameter {index} of optimizer {opt_idx}>")
     for param, name in params.items():
-        if param.is_complex() or param.dtype == torch.float64:
-            raise TypeError(
-                f"Parameter {name} has dtype {param.dtype}: amp trains float32 models in fp16 or "
-                "bf16 and would silently drop precision (or the imaginary part). Convert the model "
-                "with model.float() before amp.initialize, or train it without amp.")
-        if not param.is_floating_point():
-            raise TypeError(f"Parameter {name} has dtype {param.dtype}: optimizer parameters must be "
-                            "floating point (torch.float32, torch.float16 or torch.bfloat16).")
+        check_trainable_dtype(param, name)
 
 
 def _initialize(models, optimizers, context, num_losses, cast_model_outputs, scaler_options,

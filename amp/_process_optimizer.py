@@ -52,10 +52,16 @@ def _param_device(optimizer):
     return torch.device("cpu")
 
 
-def _check_param_type(param, what):
+def check_trainable_dtype(param, name):
+    """Reject a param amp cannot train in mixed precision, naming it (``name``) and the fix."""
+    if param.is_complex() or param.dtype == torch.float64:
+        raise TypeError(
+            f"Parameter {name} has dtype {param.dtype}: amp trains float32 models in fp16 or "
+            "bf16 and would silently drop precision (or the imaginary part). Make it float32 "
+            "first (model.float() before amp.initialize), or train it without amp.")
     if not param.is_floating_point():
-        raise TypeError(f"{what} must be floating point (torch.float32, torch.float16 or "
-                        f"torch.bfloat16); received a parameter of dtype {param.dtype}.")
+        raise TypeError(f"Parameter {name} has dtype {param.dtype}: optimizer parameters must be "
+                        "floating point (torch.float32, torch.float16 or torch.bfloat16).")
 
 
 def _stash_and_clear_grads(params, stash_list):
@@ -135,15 +141,13 @@ def _validated_param_group(optimizer, new_group, tracked_params):
         raise TypeError("optimizer parameters need to be organized in ordered collections, but the "
                         "ordering of tensors in sets will change between runs. Please use a list instead.")
     params = group["params"] = list(params)
-    for param in params:
+    for index, param in enumerate(params):
         if not isinstance(param, torch.Tensor):
             raise TypeError(f"optimizer can only optimize Tensors, but one of the params is "
                             f"{type(param).__name__}.")
         if not param.is_leaf:
             raise ValueError("can't optimize a non-leaf Tensor.")
-        if param.is_complex() or param.dtype == torch.float64 or not param.is_floating_point():
-            raise TypeError(f"add_param_group: amp trains float32, float16 and bfloat16 parameters; "
-                            f"got one of dtype {param.dtype}.")
+        check_trainable_dtype(param, f"<parameter {index} of the new param group>")
     if len({id(p) for p in params}) != len(params):
         raise ValueError("the new param group contains the same parameter more than once; amp would "
                          "unscale and step it twice. Pass each parameter once.")
@@ -375,7 +379,7 @@ class WithoutMasterWeights(OptimizerController):
     def _add_group(self, group):
         """Sort params into the low-precision and fp32 lists, each with a stash slot."""
         for param in group["params"]:
-            _check_param_type(param, "Optimizer parameters")
+            check_trainable_dtype(param, self.param_names.get(param, "<parameter of the optimizer>"))
             if param.dtype in LOW_PRECISION:
                 self.all_fp16_params.append(param)
                 self.all_fp16_grad_stash.append(None)
@@ -433,7 +437,7 @@ class WithMasterWeights(OptimizerController):
         """Swap each low-precision param of ``group`` for an fp32 master and record all three kinds."""
         for param in group["params"]:
             if param.requires_grad:
-                _check_param_type(param, "Optimizer parameters")
+                check_trainable_dtype(param, self.param_names.get(param, "<parameter of the optimizer>"))
         fp16_params, masters, fp32_params = swap_in_fp32_masters(self.optimizer, group, fp32_values)
         for param, master in zip(fp16_params, masters):
             self.param_names.setdefault(master, self.param_names.get(param))

@@ -3,6 +3,7 @@ import collections
 import logging
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -144,7 +145,6 @@ def test_forward_passes_strings_through():
 
 
 def test_forward_passes_numpy_arrays_and_scalars_through_untouched():
-    np = pytest.importorskip("numpy")
     array, scalar = np.ones(3, dtype=np.float32), np.float64(2.0)
     model = echo()
     model({"array": array, "scalar": scalar, "x": torch.ones(1)})

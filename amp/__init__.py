@@ -15,7 +15,8 @@ __version__ = "0.1.0"
 __all__ = [
     "initialize", "scale_loss", "disable_casts", "state_dict", "load_state_dict", "master_params",
     "last_step_applied", "skipped_steps", "loss_scale", "loss_scale_tensor", "loss_scaler", "init",
-    "half_function", "float_function", "promote_function", "bfloat16_function", "register_half_function", "register_float_function",
-    "register_promote_function", "register_bfloat16_function", "LossScaler",
+    "half_function", "float_function", "promote_function", "bfloat16_function",
+    "register_half_function", "register_float_function", "register_promote_function",
+    "register_bfloat16_function", "LossScaler",
     "NonFiniteGradientsError", "multi_tensor_apply", "deactivate",
 ]

@@ -323,23 +323,13 @@ def _stash(optimizer):
     return stash
 
 
-def _scaler(loss_id, optimizer):
-    if optimizer is not None:
-        context = _stash(optimizer).context
-    elif _amp_state.context is not None and _amp_state.context.enabled:
-        context = _amp_state.context
-    else:
-        raise RuntimeError("amp.loss_scale() needs an enabled amp.initialize call first.")
-    return context.loss_scaler(loss_id)
-
-
 def loss_scale(loss_id=0, optimizer=None):
     """The current loss scale of loss ``loss_id`` as a Python float (a dynamic scale: one sync).
 
     ``optimizer`` picks the ``amp.initialize`` call whose scaler is read (default: the latest).
     Change a scale with ``LossScaler.set_scale`` on the same scaler (``loss_scaler(...)``).
     """
-    return _scaler(loss_id, optimizer).loss_scale()
+    return loss_scaler(loss_id, optimizer).loss_scale()
 
 
 def loss_scale_tensor(loss_id=0, optimizer=None):
@@ -347,12 +337,21 @@ def loss_scale_tensor(loss_id=0, optimizer=None):
 
     It is a copy, taken on the device where the scale lives; it does not follow later updates.
     """
-    return _scaler(loss_id, optimizer).scale_tensor_copy()
+    return loss_scaler(loss_id, optimizer).scale_tensor_copy()
 
 
 def loss_scaler(loss_id=0, optimizer=None):
-    """The :class:`amp.LossScaler` of loss ``loss_id`` (``get_scale``, ``set_scale``, ...)."""
-    return _scaler(loss_id, optimizer)
+    """The :class:`amp.LossScaler` of loss ``loss_id`` (``get_scale``, ``set_scale``, ...).
+
+    ``optimizer`` picks the ``amp.initialize`` call whose scaler is returned (default: the latest).
+    """
+    if optimizer is not None:
+        context = _stash(optimizer).context
+    elif _amp_state.context is not None and _amp_state.context.enabled:
+        context = _amp_state.context
+    else:
+        raise RuntimeError("amp.loss_scale() needs an enabled amp.initialize call first.")
+    return context.loss_scaler(loss_id)
 
 
 def last_step_applied(optimizer):

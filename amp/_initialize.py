@@ -9,9 +9,9 @@ from torch import nn
 
 from . import casting
 from ._amp_state import _amp_state, warn_or_err
-from ._master_weights import convert_network
+from ._master_weights import check_trainable_dtype, convert_network
 from ._model_hooks import cast_forward, register_fp32_state_dict_hooks, to_type
-from ._process_optimizer import ATTACHED_METHODS, _process_optimizer, check_trainable_dtype
+from ._process_optimizer import ATTACHED_METHODS, _process_optimizer
 from .scaler import LossScaler
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)

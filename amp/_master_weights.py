@@ -12,6 +12,7 @@ __all__ = [
     "LOW_PRECISION_DTYPES",
     "check_module",
     "check_param_dtypes",
+    "check_trainable_dtype",
     "convert_module",
     "convert_network",
     "swap_in_fp32_masters",
@@ -34,6 +35,19 @@ def check_param_dtypes(params, where):
                 "parameters must be torch.float16 or torch.bfloat16 (they get fp32 master copies) "
                 "or torch.float32 (kept as they are). Convert the model first, e.g. with "
                 "convert_network(model, torch.float16).")
+
+
+def check_trainable_dtype(param, name):
+    """amp's form of the rule above: reject a param it cannot train, naming it (``name``) and the fix."""
+    if param.dtype in SUPPORTED_PARAM_DTYPES:
+        return
+    if param.is_complex() or param.dtype == torch.float64:
+        raise TypeError(
+            f"Parameter {name} has dtype {param.dtype}: amp trains float32 models in fp16 or "
+            "bf16 and would silently drop precision (or the imaginary part). Make it float32 "
+            "first (model.float() before amp.initialize), or train it without amp.")
+    raise TypeError(f"Parameter {name} has dtype {param.dtype}: optimizer parameters must be "
+                    "floating point (torch.float32, torch.float16 or torch.bfloat16).")
 
 
 def swap_in_fp32_masters(optimizer, group, exact_fp32=None):

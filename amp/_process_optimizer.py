@@ -26,7 +26,7 @@ from torch.optim.optimizer import required
 from . import casting
 from ._compat import (LR_SCHEDULER_STEP_MARKS, coalesced_sparse_coo_tensor, optimizer_accepts_found_inf,
                       record_step_for_lr_scheduler)
-from ._master_weights import swap_in_fp32_masters
+from ._master_weights import check_trainable_dtype, swap_in_fp32_masters
 from ._overflow_report import OverflowReporter, non_finite_grad_names
 from ._skip_counts import SkipCounts
 
@@ -50,18 +50,6 @@ def _param_device(optimizer):
         for param in group["params"]:
             return param.device
     return torch.device("cpu")
-
-
-def check_trainable_dtype(param, name):
-    """Reject a param amp cannot train in mixed precision, naming it (``name``) and the fix."""
-    if param.is_complex() or param.dtype == torch.float64:
-        raise TypeError(
-            f"Parameter {name} has dtype {param.dtype}: amp trains float32 models in fp16 or "
-            "bf16 and would silently drop precision (or the imaginary part). Make it float32 "
-            "first (model.float() before amp.initialize), or train it without amp.")
-    if not param.is_floating_point():
-        raise TypeError(f"Parameter {name} has dtype {param.dtype}: optimizer parameters must be "
-                        "floating point (torch.float32, torch.float16 or torch.bfloat16).")
 
 
 def _stash_and_clear_grads(params, stash_list):

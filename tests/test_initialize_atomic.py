@@ -119,10 +119,11 @@ def test_float64_and_complex_params_are_rejected_by_name(opt_level, dtype):
     assert not hasattr(optimizer, "_amp_stash")
 
 
-def test_an_integer_param_in_the_optimizer_is_rejected_before_anything_changes():
+@pytest.mark.parametrize("dtype", [torch.int64, torch.float8_e4m3fn])
+def test_an_integer_or_fp8_param_in_the_optimizer_is_rejected_before_anything_changes(dtype):
     model = net()
-    counter = nn.Parameter(torch.zeros(2, dtype=torch.int64), requires_grad=False)
-    optimizer = sgd([{"params": list(model.parameters())}, {"params": [counter]}])
+    other = nn.Parameter(torch.zeros(2).to(dtype), requires_grad=False)
+    optimizer = sgd([{"params": list(model.parameters())}, {"params": [other]}])
     with pytest.raises(TypeError, match="optimizer 0.*must be floating point"):
         amp.initialize(model, optimizer, opt_level="O2", verbosity=0)
     assert model.fc1.weight.dtype == torch.float32 and not hasattr(optimizer, "_amp_stash")

@@ -9,12 +9,11 @@ from torch import nn
 
 from . import casting
 from ._amp_state import _amp_state, warn_or_err
-from ._master_weights import check_trainable_dtype, convert_network
+from ._master_weights import LOW_PRECISION_DTYPES, check_trainable_dtype, convert_network
 from ._model_hooks import cast_forward, register_fp32_state_dict_hooks, to_type
 from ._process_optimizer import ATTACHED_METHODS, _process_optimizer
 from .scaler import LossScaler
 
-LOW_PRECISION = (torch.float16, torch.bfloat16)
 _PARALLEL_WRAPPERS = (nn.parallel.DistributedDataParallel, nn.DataParallel)
 
 
@@ -38,7 +37,7 @@ def _check_params_fp32(models):
     for model in models:
         named = list(model.named_parameters()) + list(model.named_buffers())
         for name, tensor in named:
-            if tensor.dtype in LOW_PRECISION:
+            if tensor.dtype in LOW_PRECISION_DTYPES:
                 warn_or_err(
                     f"Found param or buffer {name} with dtype {tensor.dtype}. When using "
                     "amp.initialize, you do not need to call .half() or .bfloat16() on your model "
@@ -131,7 +130,7 @@ def _initialize(models, optimizers, context, num_losses, cast_model_outputs, sca
     # Masters start from the exact fp32 values, taken before the model is cast.
     fp32_values = {}
     cast_type = properties.cast_model_type
-    if properties.master_weights and cast_type in LOW_PRECISION:
+    if properties.master_weights and cast_type in LOW_PRECISION_DTYPES:
         for model in models:
             for param in model.parameters():
                 if param.dtype == torch.float32:
@@ -158,7 +157,7 @@ def _initialize(models, optimizers, context, num_losses, cast_model_outputs, sca
     for optimizer in optimizers:
         _process_optimizer(optimizer, context, param_names, fp32_values, max_consecutive_skips)
 
-    if cast_type in LOW_PRECISION:
+    if cast_type in LOW_PRECISION_DTYPES:
         for model in models:
             register_fp32_state_dict_hooks(model, optimizers)
 

@@ -13,8 +13,7 @@ import torch
 from torch import nn
 
 from ._compat import register_load_state_dict_pre_hook, register_state_dict_post_hook
-
-LOW_PRECISION = (torch.float16, torch.bfloat16)
+from ._master_weights import LOW_PRECISION_DTYPES
 
 
 def applier(value, fn):
@@ -106,7 +105,8 @@ def _state_dict_to_fp32(masters, module, state_dict, prefix, local_metadata):
     for name, master in masters.named(module):
         state_dict[prefix + name] = master.detach()
     for key, value in state_dict.items():
-        if key.startswith(prefix) and isinstance(value, torch.Tensor) and value.dtype in LOW_PRECISION:
+        low_precision = isinstance(value, torch.Tensor) and value.dtype in LOW_PRECISION_DTYPES
+        if key.startswith(prefix) and low_precision:
             state_dict[key] = value.float()
 
 

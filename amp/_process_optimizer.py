@@ -26,11 +26,10 @@ from torch.optim.optimizer import required
 from . import casting
 from ._compat import (LR_SCHEDULER_STEP_MARKS, coalesced_sparse_coo_tensor, optimizer_accepts_found_inf,
                       record_step_for_lr_scheduler)
-from ._master_weights import check_trainable_dtype, swap_in_fp32_masters
+from ._master_weights import LOW_PRECISION_DTYPES, check_trainable_dtype, swap_in_fp32_masters
 from ._overflow_report import OverflowReporter, non_finite_grad_names
 from ._skip_counts import SkipCounts
 
-LOW_PRECISION = (torch.float16, torch.bfloat16)
 # Methods _process_optimizer attaches; an optimizer that already has one is refused.
 ATTACHED_METHODS = ("_lazy_init_maybe_master_weights", "_master_params_to_model_params",
                     "_prepare_amp_backward", "_post_amp_backward", "_amp_lazy_init")
@@ -368,7 +367,7 @@ class WithoutMasterWeights(OptimizerController):
         """Sort params into the low-precision and fp32 lists, each with a stash slot."""
         for param in group["params"]:
             check_trainable_dtype(param, self.param_names.get(param, "<parameter of the optimizer>"))
-            if param.dtype in LOW_PRECISION:
+            if param.dtype in LOW_PRECISION_DTYPES:
                 self.all_fp16_params.append(param)
                 self.all_fp16_grad_stash.append(None)
             else:

@@ -45,6 +45,8 @@ __all__ = [
     "multi_tensor_l2norm_mp",
     "multi_tensor_unscale_l2norm",
     "update_scale_hysteresis",
+    "multi_tensor_sgd",
+    "multi_tensor_adam",
 ]
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -417,3 +419,291 @@ def update_scale_hysteresis(current_scale, growth_tracker, hysteresis_tracker, f
         growth_tracker.copy_(new_growth)
         hysteresis_tracker.copy_(hysteresis_left)
     return current_scale
+
+
+# --- fused optimizer steps --------------------------------------------------------------------------
+#
+# Both ops update fp32 (or low-precision) weights and optimizer state in one pass from the model's
+# grads, unscaling them on the way, and write the low-precision model copy. Per element everything
+# is computed in fp32 and stored rounded to the destination dtype. Unlike axpby, they use a fused
+# multiply-add (``fma``: one rounding) exactly where torch.optim's CPU kernels do (``add(alpha=)``,
+# ``lerp``, ``addcmul``), so that they give torch.optim's bits; every other operation is rounded to
+# fp32 on its own. Host floats are rounded to fp32 as a C++ ``float`` parameter would be; a
+# coefficient derived from host floats (``1 - dampening``, ``1 - lr * weight_decay``...) is computed
+# in fp64 first and rounded once, as Python computes it before torch.optim hands it to a kernel.
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+_SGD_LISTS = {3: ("grads", "weights", "momentum_bufs"),
+              4: ("grads", "weights", "momentum_bufs", "model_copies")}
+_ADAM_LISTS = {4: ("grads", "params", "exp_avgs", "exp_avg_sqs"),
+               5: ("grads", "params", "exp_avgs", "exp_avg_sqs", "model_copies")}
+# The largest step the bias corrections support: the kernels read the step's low 31 bits.
+_MAX_ADAM_STEP = 2**31 - 1
+
+
+def _check_fused_lists(op, tensor_lists, forms):
+    """Validate the lists of a fused optimizer op; returns (device, names) or (None, names).
+
+    ``forms`` maps a list count to the list names. Beyond ``_check_lists``: the dtype combination
+    (``_check_fused_dtypes``), no two tensors sharing memory at all (every list but the grads is
+    written), and writable destinations.
+    """
+    if not isinstance(tensor_lists, (list, tuple)) or len(tensor_lists) not in forms:
+        counts = " or ".join(f"{n} [{', '.join(names)}]" for n, names in forms.items())
+        got = len(tensor_lists) if isinstance(tensor_lists, (list, tuple)) else type(tensor_lists)
+        raise ValueError(f"{op} expects {counts} tensor lists, got {got}")
+    names = forms[len(tensor_lists)]
+    device = _check_lists(op, tensor_lists, names)
+    if device is None:
+        return None, names
+    _check_fused_dtypes(op, [tensors[0].dtype for tensors in tensor_lists], names)
+    _check_no_shared_memory(op, tensor_lists)
+    for k in range(1, len(tensor_lists)):
+        for i, t in enumerate(tensor_lists[k]):
+            _check_writable(op, t, f"tensor_lists[{k}][{i}] ({names[k]})")
+    return device, names
+
+
+def _check_fused_dtypes(op, dtypes, names):
+    """The accepted combinations: every list one dtype; fp16/bf16 grads with fp32 params and state
+    (Adam's 4 lists); with a model-copy list, grads of any dtype, fp32 weights and state and an
+    fp16/bf16 copy."""
+    has_copies = names[-1] == "model_copies"
+    grads, masters = dtypes[0], dtypes[1:len(dtypes) - has_copies]
+    fp32_masters = all(d == torch.float32 for d in masters)
+    if has_copies:
+        ok = fp32_masters and dtypes[-1] in _LOW_PRECISION
+    elif op == "multi_tensor_adam" and grads in _LOW_PRECISION and fp32_masters:
+        ok = True
+    else:
+        ok = all(d == grads for d in dtypes)
+    if not ok:
+        combination = ", ".join(f"{name} {str(d).replace('torch.', '')}"
+                                for name, d in zip(names, dtypes))
+        mixed = ", fp16/bf16 grads with fp32 params and state" if op == "multi_tensor_adam" else ""
+        raise ValueError(
+            f"{op}: unsupported dtype combination ({combination}); supported: one dtype for every "
+            f"list{mixed}, or with a model_copies list fp32 weights and state and fp16/bf16 copies"
+        )
+
+
+def _check_no_shared_memory(op, tensor_lists):
+    """Refuse any two tensors whose bytes overlap, naming the first such pair in address order."""
+    ranges = sorted(
+        _Range(t.data_ptr(), t.data_ptr() + t.nbytes, k, i)
+        for k, tensors in enumerate(tensor_lists)
+        for i, t in enumerate(tensors)
+        if t.nbytes > 0
+    )
+    for earlier, later in zip(ranges, ranges[1:]):
+        if later.begin < earlier.end:
+            raise ValueError(
+                f"{op}: tensor_lists[{earlier.list}][{earlier.index}] and "
+                f"tensor_lists[{later.list}][{later.index}] share memory; every grad, weight, "
+                "state and model-copy tensor must be a separate tensor"
+            )
+
+
+def _check_host_float(op, name, value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{op}: {name} must be a Python float, got {type(value).__name__}")
+    return float(value)
+
+
+def _fp32(value, device):
+    return torch.full((), value, dtype=torch.float32, device=device)
+
+
+def _fma(a, b, c):
+    """``fp32(a * b + c)`` rounded once, as C's ``fmaf`` and CUDA's ``__fmaf_rn``, for fp32 tensors.
+
+    The fp64 product of two fp32 values is exact; the fp64 sum is rounded to odd (its exact error
+    from TwoSum decides), after which rounding to fp32 is correct (Boldo and Melquiond, 2008).
+    """
+    p, c = a.double() * b.double(), c.double()
+    s = p + c
+    c_part = s - p
+    error = (p - (s - c_part)) + (c - c_part)
+    to_odd = (error != 0) & ((s.view(torch.int64) & 1) == 0) & torch.isfinite(s)
+    toward = torch.where(error > 0, float("inf"), float("-inf"))
+    return torch.where(to_odd, torch.nextafter(s, toward.to(s.dtype)), s).float()
+
+
+def _skip_where_flagged(noop_flag, destinations, results):
+    """Store ``results`` into ``destinations`` unless the flag is set: decided on the device (a
+    flagged call stores the old values back, the same bits), so a skipped step reads no host value.
+    """
+    keep_old = (noop_flag != 0).reshape(())
+    for dst, new in zip(destinations, results):
+        dst.copy_(torch.where(keep_old, dst, new.to(dst.dtype)))
+
+
+def multi_tensor_sgd(chunk_size, noop_flag, tensor_lists, wd, momentum, dampening, lr, nesterov,
+                     first_run, wd_after_momentum, scale):
+    """One SGD step over ``[grads, weights, momentum_bufs]`` or ``[grads, weights, momentum_bufs,
+    model_copies]``, Apex's ``multi_tensor_sgd``; nothing is written when ``noop_flag`` is set.
+
+    Per element, in fp32; ``fma`` rounds once, every other operation rounds to fp32; ``wd``,
+    ``momentum``, ``lr`` and ``scale`` are fp32, ``dc = fp32(1 - dampening)`` (computed in fp64)::
+
+        g = float(grad) * scale
+        w = float(weight)
+        if wd != 0 and not wd_after_momentum: g = fma(wd, w, g)
+        if momentum != 0:
+            buf = g if first_run else fma(dc, g, buf * momentum)
+            g = fma(momentum, buf, g) if nesterov else buf
+        if wd != 0 and wd_after_momentum: g = fma(wd, w, g)
+        w = fma(-lr, g, w)
+        weight = w; momentum_buf = buf (untouched when momentum == 0); model_copy = w rounded
+
+    That is torch.optim.SGD's arithmetic on CPU (``foreach=False``), so with fp32 grads, scale 1
+    and ``wd_after_momentum=False`` the two give the same bits. ``scale`` is a Python float or a
+    1-element fp32 tensor on the tensors' device; the other coefficients are host floats.
+    """
+    op = "multi_tensor_sgd"
+    _check_chunk_size(op, chunk_size)
+    device, _ = _check_fused_lists(op, tensor_lists, _SGD_LISTS)
+    wd, momentum, dampening, lr = (_check_host_float(op, name, v) for name, v in (
+        ("wd", wd), ("momentum", momentum), ("dampening", dampening), ("lr", lr)))
+    if device is None:
+        return
+    _check_flag(op, noop_flag, device)
+    scale = _fp32_scalar(op, "scale", scale, device)
+    wd_t, momentum_t, dc_t, lr_t = (_fp32(v, device) for v in (wd, momentum, 1.0 - dampening, lr))
+    lists = [[_flat(t) for t in tensors] for tensors in tensor_lists]
+    with torch.no_grad():
+        for i, (grad, weight, buf) in enumerate(zip(*lists[:3])):
+            g = grad.float() * scale
+            w = weight.float()
+            if wd != 0 and not wd_after_momentum:
+                g = _fma(wd_t, w, g)
+            destinations, results = [weight], []
+            if momentum != 0:
+                b = g if first_run else _fma(dc_t, g, buf.float() * momentum_t)
+                g = _fma(momentum_t, b, g) if nesterov else b
+                destinations.append(buf)
+                results.append(b)
+            if wd != 0 and wd_after_momentum:
+                g = _fma(wd_t, w, g)
+            w = _fma(-lr_t, g, w)
+            results.insert(0, w)
+            if len(lists) == 4:
+                destinations.append(lists[3][i])
+                results.append(w)
+            _skip_where_flagged(noop_flag, destinations, results)
+
+
+def _adam_step(op, step, device):
+    """The step as a 0-dim int64 tensor on ``device`` (an int is checked here; a tensor's value is
+    the caller's contract: an integer in [1, 2**31), read without a host synchronisation)."""
+    if isinstance(step, torch.Tensor):
+        if step.numel() != 1 or step.dtype not in (torch.int32, torch.int64, torch.float32) \
+                or step.device != device:
+            raise ValueError(
+                f"{op}: step must be a Python int or a 1-element int32, int64 or float32 tensor on "
+                f"{device}, got a {step.dtype} tensor of {step.numel()} elements on {step.device}"
+            )
+        return step.reshape(()).to(torch.int64)
+    if isinstance(step, bool) or not hasattr(type(step), "__index__"):
+        raise TypeError(f"{op}: step must be an int or a tensor, got {type(step).__name__}")
+    value = operator.index(step)
+    if not 1 <= value <= _MAX_ADAM_STEP:
+        raise ValueError(f"{op}: step is the step number after this update, 1 to {_MAX_ADAM_STEP}; "
+                         f"got {value}")
+    return torch.full((), value, dtype=torch.int64, device=device)
+
+
+def _power_of_step(base, step):
+    """``base ** step`` in fp64 with a fixed rounding that C++ and CUDA reproduce exactly.
+
+    ``base ** 2**k`` by repeated squaring for k = 0..30, the factors of the step's set bits (1.0
+    for the others) multiplied pairwise: (f0*f1)*(f2*f3)... over five levels. Only IEEE fp64
+    multiplies, so every platform gives the same bits (a libm ``pow`` does not).
+    """
+    powers = [base]
+    for _ in range(31):
+        powers.append(powers[-1] * powers[-1])
+    bits = torch.arange(32, device=step.device)
+    set_bits = ((step >> bits) & 1).bool() & (bits < 31)
+    factors = torch.where(set_bits, torch.tensor(powers, dtype=torch.float64, device=step.device),
+                          torch.ones((), dtype=torch.float64, device=step.device))
+    while factors.numel() > 1:
+        factors = factors[0::2] * factors[1::2]
+    return factors.reshape(())
+
+
+def multi_tensor_adam(chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, epsilon, step, mode,
+                      bias_correction, weight_decay, inv_scale=1.0):
+    """One Adam (``mode`` 0, L2 weight decay) or AdamW (``mode`` 1, decoupled) step over ``[grads,
+    params, exp_avgs, exp_avg_sqs]`` or ``[..., model_copies]``; nothing is written when
+    ``noop_flag`` is set.
+
+    ``step`` is the step number after this update, a Python int or a 1-element int32/int64/float32
+    tensor on the tensors' device (so it can stay there), 1 to 2**31 - 1. Once per call, in fp64
+    (``pow`` = :func:`_power_of_step`, identical for an int and a tensor)::
+
+        step_size = fp32(lr / (1 - pow(beta1, step)))   or fp32(lr) without bias_correction
+        bc2_sqrt = fp32(sqrt(1 - pow(beta2, step)))     or 1 without bias_correction
+
+    Per element, in fp32; ``fma`` rounds once, every other operation rounds to fp32; ``wd``,
+    ``beta2``, ``eps`` are fp32; ``w1 = fp32(1 - beta1)``, ``w2 = fp32(1 - beta2)`` and
+    ``decay = fp32(1 - lr * weight_decay)`` are computed in fp64 and rounded once, ``w1 - 1`` in
+    fp32 (exact)::
+
+        g = float(grad) * inv_scale
+        p = float(param)
+        if mode == 0 and wd != 0: g = fma(wd, p, g)
+        if mode == 1 and wd != 0: p = p * decay
+        m = fma(w1, g - m, m) if |w1| < 0.5 else fma(w1 - 1, g - m, g)     # torch's lerp
+        v = fma(w2 * g, g, v * beta2)                                       # torch's addcmul
+        denom = sqrt(v) / bc2_sqrt + eps
+        p = p + (-step_size * m) / denom                                    # torch's addcdiv
+        param = p; exp_avg = m; exp_avg_sq = v; model_copy = p rounded
+
+    That is torch.optim.Adam / AdamW's arithmetic on CPU (``foreach=False``): with fp32 grads and
+    ``inv_scale`` 1 they give the same bits, except where torch's libm ``beta ** step`` and the
+    power above differ in the last fp64 bit and that changes the fp32 rounding of a step factor.
+    """
+    op = "multi_tensor_adam"
+    _check_chunk_size(op, chunk_size)
+    device, _ = _check_fused_lists(op, tensor_lists, _ADAM_LISTS)
+    lr, beta1, beta2, epsilon, weight_decay = (_check_host_float(op, name, v) for name, v in (
+        ("lr", lr), ("beta1", beta1), ("beta2", beta2), ("epsilon", epsilon),
+        ("weight_decay", weight_decay)))
+    if mode not in (0, 1) or isinstance(mode, bool):
+        raise ValueError(f"{op}: mode must be 0 (Adam, L2 weight decay) or 1 (AdamW), got {mode!r}")
+    if device is None:
+        return
+    _check_flag(op, noop_flag, device)
+    inv_scale = _fp32_scalar(op, "inv_scale", inv_scale, device)
+    step = _adam_step(op, step, device)
+    with torch.no_grad():
+        if bias_correction:
+            step_size = (lr / (1.0 - _power_of_step(beta1, step))).float()
+            bc2_sqrt = torch.sqrt(1.0 - _power_of_step(beta2, step)).float()
+        else:
+            step_size, bc2_sqrt = _fp32(lr, device), _fp32(1.0, device)
+        w1_host = torch.tensor(1.0 - beta1, dtype=torch.float32).item()  # on the host: no sync
+        w1, w1_minus_1 = _fp32(w1_host, device), _fp32(w1_host - 1.0, device)
+        small_w1 = abs(w1_host) < 0.5
+        wd_t, beta2_t, w2, eps_t, decay = (_fp32(v, device) for v in (
+            weight_decay, beta2, 1.0 - beta2, epsilon, 1.0 - lr * weight_decay))
+        lists = [[_flat(t) for t in tensors] for tensors in tensor_lists]
+        for i, (grad, param, exp_avg, exp_avg_sq) in enumerate(zip(*lists[:4])):
+            g = grad.float() * inv_scale
+            p = param.float()
+            if weight_decay != 0:
+                if mode == 0:
+                    g = _fma(wd_t, p, g)
+                else:
+                    p = p * decay
+            m = exp_avg.float()
+            m = _fma(w1, g - m, m) if small_w1 else _fma(w1_minus_1, g - m, g)
+            v = _fma(w2 * g, g, exp_avg_sq.float() * beta2_t)
+            denom = torch.sqrt(v) / bc2_sqrt + eps_t
+            p = p + (-step_size * m) / denom
+            destinations, results = [param, exp_avg, exp_avg_sq], [p, m, v]
+            if len(lists) == 5:
+                destinations.append(lists[4][i])
+                results.append(p)
+            _skip_where_flagged(noop_flag, destinations, results)

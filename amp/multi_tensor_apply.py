@@ -161,3 +161,21 @@ def update_scale_hysteresis(current_scale, growth_tracker, hysteresis_tracker, f
     op = _implementation("update_scale_hysteresis", current_scale.device)
     return op(current_scale, growth_tracker, hysteresis_tracker, found_inf,
               growth_factor, backoff_factor, growth_interval, hysteresis)
+
+
+def multi_tensor_sgd(chunk_size, noop_flag, tensor_lists, wd, momentum, dampening, lr, nesterov,
+                     first_run, wd_after_momentum, scale):
+    """Fused SGD step on ``[grads, weights, momentum_bufs(, model_copies)]``; a no-op when
+    ``noop_flag`` is set (see ``amp._torch_ops.multi_tensor_sgd`` for the arithmetic)."""
+    op = _implementation("multi_tensor_sgd", _device_of(tensor_lists))
+    return op(chunk_size, noop_flag, tensor_lists, wd, momentum, dampening, lr, nesterov,
+              first_run, wd_after_momentum, scale)
+
+
+def multi_tensor_adam(chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, epsilon, step, mode,
+                      bias_correction, weight_decay, inv_scale=1.0):
+    """Fused Adam/AdamW step on ``[grads, params, exp_avgs, exp_avg_sqs(, model_copies)]``; a no-op
+    when ``noop_flag`` is set (see ``amp._torch_ops.multi_tensor_adam`` for the arithmetic)."""
+    op = _implementation("multi_tensor_adam", _device_of(tensor_lists))
+    return op(chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, epsilon, step, mode,
+              bias_correction, weight_decay, inv_scale)

@@ -514,6 +514,11 @@ def _fp32(value, device):
     return torch.full((), value, dtype=torch.float32, device=device)
 
 
+def _host_fp32(value):
+    # What a C++ float parameter holds: the kernels test it (``wd != 0``...) after the rounding.
+    return torch.tensor(value, dtype=torch.float32).item()
+
+
 def _fma(a, b, c):
     """``fp32(a * b + c)`` rounded once, as C's ``fmaf`` and CUDA's ``__fmaf_rn``, for fp32 tensors.
 
@@ -548,7 +553,7 @@ def multi_tensor_sgd(chunk_size, noop_flag, tensor_lists, wd, momentum, dampenin
 
         g = float(grad) * scale
         w = float(weight)
-        if wd != 0 and not wd_after_momentum: g = fma(wd, w, g)
+        if wd != 0 and not wd_after_momentum: g = fma(wd, w, g)       # wd, momentum: as fp32
         if momentum != 0:
             buf = g if first_run else fma(dc, g, buf * momentum)
             g = fma(momentum, buf, g) if nesterov else buf
@@ -570,6 +575,7 @@ def multi_tensor_sgd(chunk_size, noop_flag, tensor_lists, wd, momentum, dampenin
     _check_flag(op, noop_flag, device)
     scale = _fp32_scalar(op, "scale", scale, device)
     wd_t, momentum_t, dc_t, lr_t = (_fp32(v, device) for v in (wd, momentum, 1.0 - dampening, lr))
+    wd, momentum = _host_fp32(wd), _host_fp32(momentum)
     lists = [[_flat(t) for t in tensors] for tensors in tensor_lists]
     with torch.no_grad():
         for i, (grad, weight, buf) in enumerate(zip(*lists[:3])):
@@ -660,9 +666,11 @@ def multi_tensor_adam(chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, eps
         p = p + (-step_size * m) / denom                                    # torch's addcdiv
         param = p; exp_avg = m; exp_avg_sq = v; model_copy = p rounded
 
-    That is torch.optim.Adam / AdamW's arithmetic on CPU (``foreach=False``): with fp32 grads and
-    ``inv_scale`` 1 they give the same bits, except where torch's libm ``beta ** step`` and the
-    power above differ in the last fp64 bit and that changes the fp32 rounding of a step factor.
+    ``sqrt`` is the correctly rounded fp32 square root (IEEE, as CUDA's ``__fsqrt_rn``). That is
+    torch.optim.Adam / AdamW's arithmetic (``foreach=False``), but torch's CPU ``sqrt`` (MKL) is
+    not correctly rounded, so where it is off by an ulp ``denom`` differs by one ulp and the
+    parameters drift apart by a few ulps over hundreds of steps (tests/test_fused_ops.py measures
+    it); torch's libm ``beta ** step`` may also differ from the power above in the last fp64 bit.
     """
     op = "multi_tensor_adam"
     _check_chunk_size(op, chunk_size)
@@ -679,7 +687,9 @@ def multi_tensor_adam(chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, eps
     step = _adam_step(op, step, device)
     with torch.no_grad():
         if bias_correction:
-            step_size = (lr / (1.0 - _power_of_step(beta1, step))).float()
+            # A tensor divisor, not ``lr / tensor`` (which torch computes as lr * reciprocal).
+            lr64 = torch.full((), lr, dtype=torch.float64, device=device)
+            step_size = (lr64 / (1.0 - _power_of_step(beta1, step))).float()
             bc2_sqrt = torch.sqrt(1.0 - _power_of_step(beta2, step)).float()
         else:
             step_size, bc2_sqrt = _fp32(lr, device), _fp32(1.0, device)
@@ -689,6 +699,7 @@ def multi_tensor_adam(chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, eps
         wd_t, beta2_t, w2, eps_t, decay = (_fp32(v, device) for v in (
             weight_decay, beta2, 1.0 - beta2, epsilon, 1.0 - lr * weight_decay))
         lists = [[_flat(t) for t in tensors] for tensors in tensor_lists]
+        weight_decay = _host_fp32(weight_decay)
         for i, (grad, param, exp_avg, exp_avg_sq) in enumerate(zip(*lists[:4])):
             g = grad.float() * inv_scale
             p = param.float()
@@ -700,7 +711,9 @@ def multi_tensor_adam(chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, eps
             m = exp_avg.float()
             m = _fma(w1, g - m, m) if small_w1 else _fma(w1_minus_1, g - m, g)
             v = _fma(w2 * g, g, exp_avg_sq.float() * beta2_t)
-            denom = torch.sqrt(v) / bc2_sqrt + eps_t
+            # torch.sqrt of fp32 is not correctly rounded on every CPU build (MKL's is not); the
+            # fp64 square root rounded to fp32 is (53 >= 2 * 24 + 2 bits).
+            denom = torch.sqrt(v.double()).float() / bc2_sqrt + eps_t
             p = p + (-step_size * m) / denom
             destinations, results = [param, exp_avg, exp_avg_sq], [p, m, v]
             if len(lists) == 5:

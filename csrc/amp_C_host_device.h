@@ -77,4 +77,135 @@ AMP_HOST_DEVICE inline void update_scale_hysteresis_step(float* current_scale,
   }
 }
 
+// ---- fused optimizer steps ------------------------------------------------------------------
+//
+// Every fp32 operation rounds on its own except the explicit fma_rn (one rounding), placed where
+// torch.optim's CPU kernels fuse (add(alpha=), lerp, addcmul); see amp/_torch_ops.py. The host
+// side is compiled with -ffp-contract=off; on the device the _rn intrinsics forbid contraction.
+
+AMP_HOST_DEVICE inline float mul_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+
+AMP_HOST_DEVICE inline float add_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+
+AMP_HOST_DEVICE inline float sub_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fsub_rn(a, b);
+#else
+  return a - b;
+#endif
+}
+
+AMP_HOST_DEVICE inline float div_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fdiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+
+AMP_HOST_DEVICE inline float sqrt_rn(float a) {
+#if defined(__CUDA_ARCH__)
+  return __fsqrt_rn(a);
+#else
+  return std::sqrt(a);
+#endif
+}
+
+// a * b + c rounded once.
+AMP_HOST_DEVICE inline float fma_rn(float a, float b, float c) {
+#if defined(__CUDA_ARCH__)
+  return __fmaf_rn(a, b, c);
+#else
+  return std::fma(a, b, c);
+#endif
+}
+
+AMP_HOST_DEVICE inline double dmul_rn(double a, double b) {
+#if defined(__CUDA_ARCH__)
+  return __dmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+
+// One SGD step of one element, in fp32: `grad` as stored (already widened), `w` and `buf` updated
+// in place (`buf` untouched when momentum is 0). The arithmetic of torch.optim.SGD.
+AMP_HOST_DEVICE inline void sgd_element(float grad, float& w, float& buf, const SgdArgs& a,
+                                        float scale) {
+  float g = mul_rn(grad, scale);
+  if (a.wd != 0.f && !a.wd_after_momentum) g = fma_rn(a.wd, w, g);
+  if (a.momentum != 0.f) {
+    buf = a.first_run ? g : fma_rn(a.dc, g, mul_rn(buf, a.momentum));
+    g = a.nesterov ? fma_rn(a.momentum, buf, g) : buf;
+  }
+  if (a.wd != 0.f && a.wd_after_momentum) g = fma_rn(a.wd, w, g);
+  w = fma_rn(-a.lr, g, w);
+}
+
+// base ** step in fp64 by a fixed sequence of IEEE multiplies (the same bits everywhere, unlike a
+// libm pow): base ** 2**k for the step's low 31 bits, multiplied pairwise over five levels.
+AMP_HOST_DEVICE inline double power_of_step(double base, int64_t step) {
+  double factors[32];
+  double power = base;
+  for (int k = 0; k < 32; ++k) {
+    factors[k] = k < 31 && ((step >> k) & 1) ? power : 1.0;
+    power = dmul_rn(power, power);
+  }
+  for (int width = 16; width >= 1; width /= 2) {
+    for (int j = 0; j < width; ++j) factors[j] = dmul_rn(factors[2 * j], factors[2 * j + 1]);
+  }
+  return factors[0];
+}
+
+// The per-call factors of Adam's bias correction: -fp32(lr / (1 - beta1**step)) and
+// fp32(sqrt(1 - beta2**step)), both computed in fp64.
+struct AdamStepFactors {
+  float neg_step_size;
+  float bc2_sqrt;
+};
+
+AMP_HOST_DEVICE inline AdamStepFactors adam_step_factors(const AdamArgs& a, int64_t step) {
+  if (!a.bias_correction) return {-static_cast<float>(a.lr), 1.f};
+#if defined(__CUDA_ARCH__)
+  const double bc1 = __dsub_rn(1.0, power_of_step(a.beta1_d, step));
+  const double bc2 = __dsub_rn(1.0, power_of_step(a.beta2_d, step));
+  return {-static_cast<float>(__ddiv_rn(a.lr, bc1)), static_cast<float>(__dsqrt_rn(bc2))};
+#else
+  const double bc1 = 1.0 - power_of_step(a.beta1_d, step);
+  const double bc2 = 1.0 - power_of_step(a.beta2_d, step);
+  return {-static_cast<float>(a.lr / bc1), static_cast<float>(std::sqrt(bc2))};
+#endif
+}
+
+// One Adam/AdamW step of one element, in fp32: `p`, `m`, `v` updated in place. The arithmetic of
+// torch.optim.Adam / AdamW (lerp for exp_avg, addcmul for exp_avg_sq, addcdiv for the update).
+AMP_HOST_DEVICE inline void adam_element(float grad, float& p, float& m, float& v,
+                                         const AdamArgs& a, AdamStepFactors f, float inv_scale) {
+  float g = mul_rn(grad, inv_scale);
+  if (a.wd != 0.f) {
+    if (a.mode == 0) {
+      g = fma_rn(a.wd, p, g);
+    } else {
+      p = mul_rn(p, a.decay);
+    }
+  }
+  const float diff = sub_rn(g, m);
+  m = a.small_w1 ? fma_rn(a.w1, diff, m) : fma_rn(a.w1_minus_1, diff, g);
+  v = fma_rn(mul_rn(a.w2, g), g, mul_rn(v, a.beta2));
+  const float denom = add_rn(div_rn(sqrt_rn(v), f.bc2_sqrt), a.eps);
+  p = add_rn(p, div_rn(mul_rn(f.neg_step_size, m), denom));
+}
+
 }  // namespace amp_C

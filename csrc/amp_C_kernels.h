@@ -13,14 +13,16 @@ namespace amp_C {
 
 enum class DType : int { Float32 = 0, Float16 = 1, BFloat16 = 2, Int32 = 3 };
 
-// Up to three parallel lists ([in, out] for scale, [x, y, out] for axpby, [x] for l2norm).
-constexpr int kMaxDepth = 3;
+// Up to five parallel lists ([in, out] for scale, [x, y, out] for axpby, [x] for l2norm, up to
+// [grads, params, exp_avgs, exp_avg_sqs, model_copies] for adam).
+constexpr int kMaxDepth = 5;
 
 // Parallel tensor lists, already validated: list k holds `numel.size()` tensors of dtype
 // `dtype[k]`, tensor i of every list has `numel[i]` elements laid out identically.
 struct TensorLists {
   int depth = 0;
-  DType dtype[kMaxDepth] = {DType::Float32, DType::Float32, DType::Float32};
+  DType dtype[kMaxDepth] = {DType::Float32, DType::Float32, DType::Float32, DType::Float32,
+                            DType::Float32};
   std::vector<void*> ptr[kMaxDepth];
   std::vector<int64_t> numel;
 };
@@ -46,6 +48,44 @@ struct NormOutputs {
   float* tensor_sums;   // [ntensors], scratch
 };
 
+// The coefficients of one fused SGD step (see sgd_element in amp_C_host_device.h). `dc` is
+// fp32(1 - dampening), computed in fp64.
+struct SgdArgs {
+  float wd;
+  float momentum;
+  float dc;
+  float lr;
+  bool nesterov;
+  bool first_run;
+  bool wd_after_momentum;
+  Scalar scale;
+};
+
+// The step number of a fused Adam step: a value, or an int64 tensor the kernel reads itself.
+struct StepArg {
+  int64_t value;
+  const int64_t* ptr;
+};
+
+// The coefficients of one fused Adam step (see adam_element in amp_C_host_device.h): fp32 values
+// derived on the host, and the fp64 ones the bias corrections need once the step is known.
+struct AdamArgs {
+  float wd;
+  float decay;       // fp32(1 - lr * weight_decay), AdamW
+  float w1;          // fp32(1 - beta1)
+  float w1_minus_1;  // w1 - 1, exact
+  bool small_w1;     // |w1| < 0.5: torch's lerp rule
+  float w2;          // fp32(1 - beta2)
+  float beta2;
+  float eps;
+  int mode;          // 0: Adam (L2), 1: AdamW (decoupled)
+  bool bias_correction;
+  double lr;
+  double beta1_d;
+  double beta2_d;
+  Scalar inv_scale;
+  StepArg step;
+};
 
 // CPU twins (csrc/cpu/*.cpp), parallel over tensors and elements.
 void multi_tensor_scale_cpu(int64_t chunk_size, Flag flag, const TensorLists& lists, Scalar scale);
@@ -53,6 +93,10 @@ void multi_tensor_axpby_cpu(int64_t chunk_size, Flag flag, const TensorLists& li
                             Scalar b, int arg_to_check);
 void multi_tensor_l2norm_cpu(int64_t chunk_size, Flag flag, const TensorLists& lists,
                              Scalar inv_scale, bool respect_flag, NormOutputs out);
+void multi_tensor_sgd_cpu(int64_t chunk_size, Flag flag, const TensorLists& lists,
+                          const SgdArgs& args);
+void multi_tensor_adam_cpu(int64_t chunk_size, Flag flag, const TensorLists& lists,
+                           const AdamArgs& args);
 void update_scale_hysteresis_cpu(float* current_scale, int32_t* growth_tracker,
                                  int32_t* hysteresis_tracker, const float* found_inf,
                                  double growth_factor, double backoff_factor,
@@ -66,6 +110,10 @@ void multi_tensor_axpby_cuda(int64_t chunk_size, Flag flag, const TensorLists& l
                              Scalar b, int arg_to_check, void* stream);
 void multi_tensor_l2norm_cuda(int64_t chunk_size, Flag flag, const TensorLists& lists,
                               Scalar inv_scale, bool respect_flag, NormOutputs out, void* stream);
+void multi_tensor_sgd_cuda(int64_t chunk_size, Flag flag, const TensorLists& lists,
+                           const SgdArgs& args, void* stream);
+void multi_tensor_adam_cuda(int64_t chunk_size, Flag flag, const TensorLists& lists,
+                            const AdamArgs& args, void* stream);
 void update_scale_hysteresis_cuda(float* current_scale, int32_t* growth_tracker,
                                   int32_t* hysteresis_tracker, const float* found_inf,
                                   double growth_factor, double backoff_factor,

@@ -11,6 +11,7 @@
 #include <c10/core/InferenceMode.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <string>
@@ -252,7 +253,193 @@ std::tuple<at::Tensor, at::Tensor> l2norm(const char* op, int64_t chunk_size,
   return {total, per_tensor_norms};
 }
 
+// ---- fused optimizer steps: the same checks as amp/_torch_ops.py, in the same order ----------
+
+// Every tensor of a fused optimizer op is written except the grads, and they are all read and
+// written in parallel, so no two may share a byte. Names the first overlapping pair by address.
+void check_no_shared_memory(const char* op, const TensorListList& tensor_lists) {
+  std::vector<Range> ranges;
+  for (size_t k = 0; k < tensor_lists.size(); ++k) {
+    for (size_t i = 0; i < tensor_lists[k].size(); ++i) {
+      const at::Tensor& t = tensor_lists[k][i];
+      if (t.nbytes() == 0) continue;
+      const auto begin = reinterpret_cast<uintptr_t>(t.data_ptr());
+      ranges.push_back({begin, begin + t.nbytes(), k, i});
+    }
+  }
+  std::sort(ranges.begin(), ranges.end());
+  for (size_t r = 1; r < ranges.size(); ++r) {
+    TORCH_CHECK_VALUE(ranges[r].begin >= ranges[r - 1].end, op, ": ",
+                      where(ranges[r - 1].list, ranges[r - 1].index), " and ",
+                      where(ranges[r].list, ranges[r].index),
+                      " share memory; every grad, weight, state and model-copy tensor must be a "
+                      "separate tensor");
+  }
+}
+
+const char* dtype_name(DType d) {
+  switch (d) {
+    case DType::Float32: return "float32";
+    case DType::Float16: return "float16";
+    case DType::BFloat16: return "bfloat16";
+    default: return "int32";
+  }
+}
+
+// The accepted dtype combinations (see _check_fused_dtypes in amp/_torch_ops.py).
+void check_fused_dtypes(const char* op, const TensorLists& lists,
+                        const std::vector<std::string>& names, bool is_adam) {
+  const bool has_copies = names.back() == "model_copies";
+  const int masters_end = lists.depth - (has_copies ? 1 : 0);
+  bool fp32_masters = true;
+  bool one_dtype = true;
+  for (int k = 1; k < lists.depth; ++k) {
+    if (k < masters_end) fp32_masters &= lists.dtype[k] == DType::Float32;
+    one_dtype &= lists.dtype[k] == lists.dtype[0];
+  }
+  const bool low_grads = lists.dtype[0] != DType::Float32;
+  bool ok = one_dtype;
+  if (has_copies) {
+    ok = fp32_masters && lists.dtype[lists.depth - 1] != DType::Float32;
+  } else if (is_adam && low_grads && fp32_masters) {
+    ok = true;
+  }
+  if (ok) return;
+  std::string combination;
+  for (int k = 0; k < lists.depth; ++k) {
+    combination += (k ? ", " : "") + names[k] + " " + dtype_name(lists.dtype[k]);
+  }
+  TORCH_CHECK_VALUE(false, op, ": unsupported dtype combination (", combination,
+                    "); supported: one dtype for every list",
+                    is_adam ? ", fp16/bf16 grads with fp32 params and state" : "",
+                    ", or with a model_copies list fp32 weights and state and fp16/bf16 copies");
+}
+
+// Checks the lists of a fused optimizer op; `forms` holds the accepted list counts and names.
+TensorLists view_fused_lists(const char* op, int64_t chunk_size, const at::Tensor& noop_flag,
+                             const TensorListList& tensor_lists,
+                             const std::vector<std::vector<std::string>>& forms, bool is_adam) {
+  TORCH_CHECK_VALUE(chunk_size > 0, op, ": chunk_size must be positive, got ", chunk_size);
+  const std::vector<std::string>* names = nullptr;
+  std::string expected;
+  for (const auto& form : forms) {
+    if (form.size() == tensor_lists.size()) names = &form;
+    std::string joined;
+    for (const auto& name : form) joined += (joined.empty() ? "" : ", ") + name;
+    expected += (expected.empty() ? "" : " or ") + std::to_string(form.size()) + " [" + joined + "]";
+  }
+  TORCH_CHECK_VALUE(names != nullptr, op, " expects ", expected, " tensor lists, got ",
+                    tensor_lists.size());
+  const TensorLists lists =
+      view_lists(op, chunk_size, noop_flag, tensor_lists, names->size(), expected.c_str());
+  if (lists.numel.empty()) return lists;
+  check_fused_dtypes(op, lists, *names, is_adam);
+  check_no_shared_memory(op, tensor_lists);
+  for (size_t k = 1; k < tensor_lists.size(); ++k) {
+    for (size_t i = 0; i < tensor_lists[k].size(); ++i) {
+      check_writable(tensor_lists[k][i], op, where(k, i) + " (" + (*names)[k] + ")");
+    }
+  }
+  return lists;
+}
+
+void bump_written_versions(const TensorListList& tensor_lists) {
+  for (size_t k = 1; k < tensor_lists.size(); ++k) bump_versions(tensor_lists[k]);
+}
+
 }  // namespace
+
+void multi_tensor_sgd(int64_t chunk_size, const at::Tensor& noop_flag,
+                      const TensorListList& tensor_lists, double wd, double momentum,
+                      double dampening, double lr, bool nesterov, bool first_run,
+                      bool wd_after_momentum, const FloatArg& scale) {
+  const char* op = "multi_tensor_sgd";
+  const TensorLists lists = view_fused_lists(
+      op, chunk_size, noop_flag, tensor_lists,
+      {{"grads", "weights", "momentum_bufs"}, {"grads", "weights", "momentum_bufs", "model_copies"}},
+      false);
+  if (lists.numel.empty()) return;
+  const at::Device device = noop_flag.device();
+  const SgdArgs args{static_cast<float>(wd),
+                     static_cast<float>(momentum),
+                     static_cast<float>(1.0 - dampening),
+                     static_cast<float>(lr),
+                     nesterov,
+                     first_run,
+                     wd_after_momentum,
+                     scalar_of(scale, device, op, "scale")};
+  const Flag flag = flag_of(noop_flag);
+  on_device(
+      device, op, [&] { multi_tensor_sgd_cpu(chunk_size, flag, lists, args); },
+      [&](void* stream) {
+#if AMP_CUDA_ENABLED
+        multi_tensor_sgd_cuda(chunk_size, flag, lists, args, stream);
+#endif
+      });
+  bump_written_versions(tensor_lists);
+}
+
+void multi_tensor_adam(int64_t chunk_size, const at::Tensor& noop_flag,
+                       const TensorListList& tensor_lists, double lr, double beta1, double beta2,
+                       double epsilon, const StepValue& step, int64_t mode,
+                       int64_t bias_correction, double weight_decay, const FloatArg& inv_scale) {
+  const char* op = "multi_tensor_adam";
+  const TensorLists lists = view_fused_lists(
+      op, chunk_size, noop_flag, tensor_lists,
+      {{"grads", "params", "exp_avgs", "exp_avg_sqs"},
+       {"grads", "params", "exp_avgs", "exp_avg_sqs", "model_copies"}},
+      true);
+  TORCH_CHECK_VALUE(mode == 0 || mode == 1, op,
+                    ": mode must be 0 (Adam, L2 weight decay) or 1 (AdamW), got ", mode);
+  if (lists.numel.empty()) return;
+  const at::Device device = noop_flag.device();
+  const Scalar s = scalar_of(inv_scale, device, op, "inv_scale");
+  // The step as an int64 the kernel reads (converted on the device's stream: no synchronisation).
+  at::Tensor step_tensor;
+  StepArg step_arg{0, nullptr};
+  if (const int64_t* value = std::get_if<int64_t>(&step)) {
+    TORCH_CHECK_VALUE(*value >= 1 && *value <= std::numeric_limits<int32_t>::max(), op,
+                      ": step is the step number after this update, 1 to ",
+                      std::numeric_limits<int32_t>::max(), "; got ", *value);
+    step_arg.value = *value;
+  } else {
+    const at::Tensor& t = std::get<at::Tensor>(step);
+    TORCH_CHECK_VALUE(t.numel() == 1 &&
+                          (t.scalar_type() == at::kInt || t.scalar_type() == at::kLong ||
+                           t.scalar_type() == at::kFloat) &&
+                          t.device() == device,
+                      op, ": step must be a Python int or a 1-element int32, int64 or float32 "
+                      "tensor on ", device, ", got a ", t.scalar_type(), " tensor of ", t.numel(),
+                      " elements on ", t.device());
+    step_tensor = t.reshape({1}).to(at::kLong).contiguous();
+    step_arg.ptr = step_tensor.data_ptr<int64_t>();
+  }
+  AdamArgs args{};
+  args.wd = static_cast<float>(weight_decay);
+  args.decay = static_cast<float>(1.0 - lr * weight_decay);
+  args.w1 = static_cast<float>(1.0 - beta1);
+  args.w1_minus_1 = static_cast<float>(static_cast<double>(args.w1) - 1.0);
+  args.small_w1 = std::fabs(args.w1) < 0.5f;
+  args.w2 = static_cast<float>(1.0 - beta2);
+  args.beta2 = static_cast<float>(beta2);
+  args.eps = static_cast<float>(epsilon);
+  args.mode = static_cast<int>(mode);
+  args.bias_correction = bias_correction != 0;
+  args.lr = lr;
+  args.beta1_d = beta1;
+  args.beta2_d = beta2;
+  args.inv_scale = s;
+  args.step = step_arg;
+  const Flag flag = flag_of(noop_flag);
+  on_device(
+      device, op, [&] { multi_tensor_adam_cpu(chunk_size, flag, lists, args); },
+      [&](void* stream) {
+#if AMP_CUDA_ENABLED
+        multi_tensor_adam_cuda(chunk_size, flag, lists, args, stream);
+#endif
+      });
+  bump_written_versions(tensor_lists);
+}
 
 void multi_tensor_scale(int64_t chunk_size, const at::Tensor& noop_flag,
                         const TensorListList& tensor_lists, const FloatArg& scale) {

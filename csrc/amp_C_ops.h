@@ -36,6 +36,20 @@ std::tuple<at::Tensor, at::Tensor> multi_tensor_unscale_l2norm(
     int64_t chunk_size, const at::Tensor& noop_flag, const TensorListList& tensor_lists,
     const FloatArg& inv_scale, std::optional<bool> per_tensor);
 
+using StepValue = std::variant<at::Tensor, int64_t>;
+
+// Fused optimizer steps (see amp/_torch_ops.py for the arithmetic); nothing is written when
+// noop_flag is set.
+void multi_tensor_sgd(int64_t chunk_size, const at::Tensor& noop_flag,
+                      const TensorListList& tensor_lists, double wd, double momentum,
+                      double dampening, double lr, bool nesterov, bool first_run,
+                      bool wd_after_momentum, const FloatArg& scale);
+
+void multi_tensor_adam(int64_t chunk_size, const at::Tensor& noop_flag,
+                       const TensorListList& tensor_lists, double lr, double beta1, double beta2,
+                       double epsilon, const StepValue& step, int64_t mode,
+                       int64_t bias_correction, double weight_decay, const FloatArg& inv_scale);
+
 at::Tensor update_scale_hysteresis(const at::Tensor& current_scale,
                                    const at::Tensor& growth_tracker,
                                    const at::Tensor& hysteresis_tracker,

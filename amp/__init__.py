@@ -1,5 +1,5 @@
 """Apex-style mixed precision for PyTorch 2.x: ``import amp`` where you had ``from apex import amp``."""
-from . import multi_tensor_apply
+from . import multi_tensor_apply, optimizers
 from ._amp_state import _amp_state
 from ._overflow_report import NonFiniteGradientsError
 from .casting import (bfloat16_function, deactivate, disable_casts, float_function,
@@ -19,4 +19,5 @@ __all__ = [
     "register_half_function", "register_float_function", "register_promote_function",
     "register_bfloat16_function", "LossScaler",
     "NonFiniteGradientsError", "multi_tensor_apply", "deactivate",
+    "optimizers",
 ]

@@ -577,6 +577,9 @@ def _process_optimizer(optimizer, context, param_names, fp32_values, max_consecu
     ``amp.initialize`` has checked the optimizer already (see ``ATTACHED_METHODS``).
     """
     kind = WithMasterWeights if context.properties.master_weights else WithoutMasterWeights
+    if kind is WithMasterWeights:
+        # amp.optimizers name their own controller, so amp never imports them.
+        kind = getattr(optimizer, "_amp_master_weights_controller", kind)
     controller = kind(optimizer, context, dict(param_names), max_consecutive_skips)
     optimizer._amp_stash = controller
     # Apex's method names, for code that calls them on the optimizer.

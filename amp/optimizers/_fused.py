@@ -1,0 +1,151 @@
+"""What ``FusedSGD`` and ``FusedAdam`` share: validation, one op call per kind of tensor, amp's inputs.
+
+A step groups the parameters of each param group by device and dtypes, so that one
+``multi_tensor_*`` call serves each combination, and reads no host value: the overflow flag and
+the inverse loss scale reach the op as device tensors.
+
+Two callers hand a step more than the parameters' ``.grad``:
+
+* ``torch.amp.GradScaler`` and ``amp`` (``_step_supports_amp_scaling``) set ``found_inf`` (a
+  device flag: where it is nonzero the op writes nothing) and ``grad_scale`` (the grads still carry
+  this scale; the op divides it out), as for torch's own fused optimizers.
+* ``amp`` under master weights (O2/O5) sets ``_amp_model_copies`` (master -> low-precision model
+  param): the op then writes the rounded master into the model param itself, and, with
+  ``_amp_grads_from_model`` (``materialize_master_grads=False`` at ``amp.initialize``), reads the
+  model param's low-precision grad, which carries ``most_recent_scale``, instead of an fp32 master
+  grad.
+"""
+import torch
+
+from amp._fused_master_weights import FusedMasterWeights
+
+__all__ = ["FusedOptimizer"]
+
+_PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def check_real(name, value, low, high=float("inf"), high_open=False):
+    """Raise ``ValueError`` unless ``value`` is a real number in ``[low, high]`` (``[low, high)``)."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    ok = ok and low <= value and (value < high if high_open else value <= high)
+    if not ok:
+        upper = f"{high})" if high_open else f"{high}]"
+        raise ValueError(f"Invalid {name}: {value!r}; expected a number in [{low}, {upper}.")
+
+
+def _inverse(scale):
+    """``1 / scale`` as a 1-element fp32 tensor; the reciprocal is taken in fp64 as amp's scaler and
+    GradScaler take it, so a fused step unscales to the same bits as their separate pass."""
+    if not isinstance(scale, torch.Tensor):
+        return 1.0 / float(scale) if float(scale) != 1.0 else 1.0
+    return scale.detach().reshape(1).to(torch.float64).reciprocal().to(torch.float32)
+
+
+class Bucket:
+    """The tensors of one op call: one device, one grad dtype, one param dtype, one copy dtype."""
+
+    __slots__ = ("params", "grads", "copies")
+
+    def __init__(self):
+        self.params, self.grads, self.copies = [], [], []
+
+    def part(self, indices):
+        """The bucket of the tensors at ``indices`` (this one if they are all of them)."""
+        if len(indices) == len(self.params):
+            return self
+        part = Bucket()
+        part.params = [self.params[i] for i in indices]
+        part.grads = [self.grads[i] for i in indices]
+        part.copies = [self.copies[i] for i in indices] if self.copies else []
+        return part
+
+
+class FusedOptimizer(torch.optim.Optimizer):
+    """Base of amp's fused optimizers (not public): subclasses implement ``_step_group``."""
+
+    # torch.amp.GradScaler and amp pass found_inf / grad_scale as attributes, and the step honours them.
+    _step_supports_amp_scaling = True
+    # The controller amp.initialize gives these optimizers under master weights (O2/O5).
+    _amp_master_weights_controller = FusedMasterWeights
+
+    def __init__(self, params, defaults):
+        super().__init__(params, defaults)
+        self._noop_flags = {}
+
+    def add_param_group(self, param_group):
+        """As torch's, refusing parameters of a dtype the kernels do not step."""
+        params = param_group["params"] if isinstance(param_group, dict) else None
+        params = [params] if isinstance(params, torch.Tensor) else params
+        if isinstance(params, (list, tuple)):
+            for index, param in enumerate(params):
+                if isinstance(param, torch.Tensor) and param.dtype not in _PARAM_DTYPES:
+                    raise TypeError(
+                        f"{type(self).__name__} steps float32, float16 and bfloat16 parameters; parameter "
+                        f"{index} of the group (shape {tuple(param.shape)}) is {param.dtype}. Use the "
+                        "torch.optim optimizer for it, in a second optimizer.")
+        super().add_param_group(param_group)
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._noop_flags = {}
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Perform one optimization step; ``closure`` re-evaluates the model and returns the loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        found_inf = getattr(self, "found_inf", None)
+        grad_scale = getattr(self, "grad_scale", None)
+        copies = getattr(self, "_amp_model_copies", None) or {}
+        from_model = getattr(self, "_amp_grads_from_model", False)
+        if copies and from_model == self.materialize_master_grads:
+            raise RuntimeError(f"{type(self).__name__}.materialize_master_grads was changed after "
+                               "amp.initialize, which reads it once. Construct the optimizer with the "
+                               "value you want, then call amp.initialize.")
+        # Everything is checked before the first op writes anything.
+        plans = [self._buckets(group, copies, from_model) for group in self.param_groups]
+        inv_scale = 1.0 if grad_scale is None else _inverse(grad_scale)
+        model_inv_scale = _inverse(self.most_recent_scale) if from_model else inv_scale
+        if from_model and grad_scale is not None:
+            raise RuntimeError(f"{type(self).__name__}.step got a grad_scale while amp left the model's "
+                               "gradients scaled by its own loss scale; use amp or GradScaler, not both.")
+        for group, buckets in zip(self.param_groups, plans):
+            if buckets:
+                self._step_group(group, buckets, found_inf, inv_scale, model_inv_scale)
+        return loss
+
+    def _buckets(self, group, copies, from_model):
+        """``{(device, grad dtype, param dtype, copy dtype or None, reads the model grad): Bucket}``."""
+        buckets = {}
+        for param in group["params"]:
+            copy = copies.get(param)
+            grad = copy.grad if from_model and copy is not None else param.grad
+            if grad is None:
+                continue
+            if grad.is_sparse:
+                raise RuntimeError(
+                    f"{type(self).__name__} does not support sparse gradients (a parameter of shape "
+                    f"{tuple(param.shape)} has one, e.g. from nn.Embedding(sparse=True)). Use dense "
+                    "gradients, or a torch.optim optimizer that accepts sparse ones (SparseAdam, SGD) "
+                    "for those parameters.")
+            key = (param.device, grad.dtype, param.dtype, None if copy is None else copy.dtype,
+                   from_model and copy is not None)
+            bucket = buckets.get(key)
+            if bucket is None:
+                bucket = buckets[key] = Bucket()
+            bucket.params.append(param)
+            bucket.grads.append(grad)
+            if copy is not None:
+                bucket.copies.append(copy)
+        return buckets
+
+    def _noop_flag(self, device, found_inf):
+        """The op's skip flag on ``device``: ``found_inf`` itself, else a zero kept per device."""
+        if found_inf is not None:
+            return found_inf.detach().reshape(1).to(device=device, dtype=torch.float32)
+        flag = self._noop_flags.get(device)
+        if flag is None:
+            flag = self._noop_flags[device] = torch.zeros(1, dtype=torch.int32, device=device)
+        return flag

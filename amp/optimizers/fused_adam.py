@@ -1,0 +1,122 @@
+"""``FusedAdam``: Adam and AdamW in one ``multi_tensor_adam`` pass per kind of tensor (Apex's optimizer)."""
+import torch
+
+from amp.multi_tensor_apply import multi_tensor_adam, multi_tensor_applier
+
+from ._fused import FusedOptimizer, check_real
+
+__all__ = ["FusedAdam"]
+
+
+def _refuse(option, advice):
+    raise ValueError(f"FusedAdam({option}) is not offered: {advice}")
+
+
+class FusedAdam(FusedOptimizer):
+    """Adam (``adam_w_mode=False``: L2 weight decay added to the gradient) or AdamW (the default:
+    decoupled weight decay) whose update is one fused pass.
+
+    The arithmetic is ``torch.optim.Adam``'s / ``AdamW``'s, in fp32 for every parameter dtype. It is
+    an ordinary ``torch.optim.Optimizer``::
+
+        optimizer = amp.optimizers.FusedAdam(model.parameters(), lr=1e-3, weight_decay=0.01)
+
+    Under ``amp.initialize`` at O2/O5 the same pass reads the model's fp16/bf16 gradients, divides
+    the loss scale out, updates the fp32 master and its state and writes the rounded master into the
+    model parameter: no fp32 master gradients are made and no separate master->model copy runs.
+    Pass ``materialize_master_grads=True`` to have amp unscale into fp32 master gradients first (for
+    gradient clipping or reading gradients on ``amp.master_params``).
+
+    Args:
+        params: parameters or param groups (float32, float16 or bfloat16; dense gradients).
+        lr (float, default 1e-3), betas (tuple, default (0.9, 0.999)), eps (float, default 1e-8),
+        weight_decay (float, default 0).
+        bias_correction (bool, default True): divide the moments by ``1 - beta ** step``.
+        adam_w_mode (bool, default True): decoupled weight decay (AdamW); False: L2 (Adam).
+        amsgrad, capturable, master_weights: accepted as Apex's arguments; only ``False`` is offered.
+        set_grad_none (bool, default True): what ``zero_grad()`` does without ``set_to_none``.
+        materialize_master_grads (bool, keyword-only, default False): see above; read once, by
+            ``amp.initialize``.
+
+    The step count of each param group (``param_groups[i]["step"]``, a device tensor) counts its
+    steps, applied ones only: a step that amp or GradScaler skips (``found_inf``) writes nothing
+    and leaves it unchanged without a host read. Parameters without a gradient are not updated and
+    their state is untouched, but their group's count advances (Apex's rule; torch counts per
+    parameter). The step that creates a group's state under such a flag reads the flag on the
+    host once, so that a skipped first step leaves no state behind.
+    """
+
+    def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8,
+                 adam_w_mode=True, weight_decay=0.0, amsgrad=False, set_grad_none=True,
+                 capturable=False, master_weights=False, *, materialize_master_grads=False):
+        if amsgrad:
+            _refuse("amsgrad=True", "use torch.optim.Adam(amsgrad=True) or torch.optim.AdamW(amsgrad=True); "
+                    "amp.initialize accepts them at every opt level.")
+        if capturable:
+            _refuse("capturable=True", "this step already keeps its step count on the device and reads no "
+                    "host value, but it is not validated under CUDA graph capture. Leave capturable=False, "
+                    "or capture torch.optim.AdamW(capturable=True).")
+        if master_weights:
+            _refuse("master_weights=True", "use amp.initialize(model, optimizer, opt_level='O2') (or 'O5' "
+                    "for bfloat16), which keeps the fp32 master weights; FusedAdam then steps them and "
+                    "writes the low-precision model copy in the same pass.")
+        check_real("learning rate", lr, 0.0)
+        check_real("epsilon value", eps, 0.0)
+        check_real("weight_decay value", weight_decay, 0.0)
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise ValueError(f"Invalid betas: {betas!r}; expected a pair of numbers in [0, 1).")
+        check_real("beta parameter at index 0", betas[0], 0.0, 1.0, high_open=True)
+        check_real("beta parameter at index 1", betas[1], 0.0, 1.0, high_open=True)
+        defaults = dict(lr=lr, bias_correction=bool(bias_correction), betas=tuple(betas), eps=eps,
+                        weight_decay=weight_decay)
+        super().__init__(params, defaults)
+        self.adam_w_mode = bool(adam_w_mode)
+        self.set_grad_none = bool(set_grad_none)
+        self.materialize_master_grads = bool(materialize_master_grads)
+        # Written by amp (O2/O5 without materialised master grads): the scale of the model's grads.
+        self.most_recent_scale = 1.0
+        self.scale_set_by_backward = False
+
+    def zero_grad(self, set_to_none=None):
+        """Clear the gradients; ``set_to_none`` defaults to the ``set_grad_none`` given at construction."""
+        super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None else set_to_none)
+
+    def _step_group(self, group, buckets, found_inf, inv_scale, model_inv_scale):
+        fresh = [param for bucket in buckets.values() for param in bucket.params
+                 if "exp_avg" not in self.state[param]]
+        if fresh and found_inf is not None and found_inf.item():
+            return  # a skipped step that would create state: nothing may change (the one host read)
+        for param in fresh:
+            state = self.state[param]
+            state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        step = _group_step(group, next(iter(buckets))[0])
+        step.add_(1)
+        beta1, beta2 = group["betas"]
+        for (device, _, _, _, from_model), bucket in buckets.items():
+            states = [self.state[param] for param in bucket.params]
+            lists = [bucket.grads, bucket.params, [state["exp_avg"] for state in states],
+                     [state["exp_avg_sq"] for state in states]]
+            if bucket.copies:
+                lists.append(bucket.copies)
+            multi_tensor_applier(multi_tensor_adam, self._noop_flag(device, found_inf), lists, group["lr"],
+                                 beta1, beta2, group["eps"], step.to(device), int(self.adam_w_mode),
+                                 int(group["bias_correction"]), group["weight_decay"],
+                                 model_inv_scale if from_model else inv_scale)
+        if found_inf is not None:
+            step.sub_(found_inf.detach().reshape(1).to(step.device, torch.float32))
+
+
+def _group_step(group, device):
+    """The group's step count, a 1-element fp32 tensor on ``device`` (made, or moved there, once).
+
+    A checkpoint of Apex's FusedAdam holds a Python int; one loaded elsewhere, a tensor on another
+    device.
+    """
+    step = group.get("step")
+    if not isinstance(step, torch.Tensor):
+        step = torch.full((1,), float(step or 0), dtype=torch.float32, device=device)
+    elif step.device != device or step.dtype != torch.float32 or step.shape != (1,):
+        step = step.detach().to(device=device, dtype=torch.float32).reshape(1)
+    group["step"] = step
+    return step

@@ -90,8 +90,28 @@ CONFIGS = {
     "autocast fp16 + GradScaler": ("autocast", torch.float16),
     "amp O1 (fp16)": ("O1", torch.float16),
     "amp O2 (fp16)": ("O2", torch.float16),
+    "amp O2 + FusedAdam (fp16)": ("O2", torch.float16),
+    "amp O2 + FusedAdam, master grads": ("O2", torch.float16),
     "autocast bf16": ("autocast", torch.bfloat16),
     "amp O5 (bf16)": ("O5", torch.bfloat16),
+    "amp O5 + FusedAdam (bf16)": ("O5", torch.bfloat16),
+}
+# Configurations stepped by amp.optimizers.FusedAdam instead of torch's AdamW, with its options.
+FUSED_ADAM = {
+    "amp O2 + FusedAdam (fp16)": {},
+    "amp O2 + FusedAdam, master grads": dict(materialize_master_grads=True),
+    "amp O5 + FusedAdam (bf16)": {},
+}
+# Bytes each configuration's post-backward work moves per parameter (reads + writes), counted from
+# the passes it makes: unscale fp16 -> fp32 master grads (2 + 4), fused AdamW on fp32 (read p, g,
+# m, v: 16; write p, m, v: 12), master -> model copy (4 + 2); GradScaler's check-and-unscale of
+# the fp32 grads in place (4 + 4) and torch's fused AdamW writing the unscaled grad back (4); the
+# fused path's read-only overflow check (2), skipped under a static scale (O5), and its one pass
+# (read g16, p, m, v: 14; write p, m, v, p16: 14).
+BYTES_PER_PARAM = {
+    "fp32": 28, "autocast fp16 + GradScaler": 8 + 32, "amp O1 (fp16)": 8 + 28, "amp O2 (fp16)": 6 + 28 + 6,
+    "amp O2 + FusedAdam (fp16)": 2 + 28, "amp O2 + FusedAdam, master grads": 6 + 30,
+    "autocast bf16": 28, "amp O5 (bf16)": 6 + 28 + 6, "amp O5 + FusedAdam (bf16)": 28,
 }
 
 
@@ -100,7 +120,10 @@ def build(config, model_fn, device, fused):
     torch.manual_seed(0)
     with device:  # initialised where it trains: a large model's CPU init would dominate the run
         model = model_fn()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused)
+    if config in FUSED_ADAM:
+        optimizer = amp.optimizers.FusedAdam(model.parameters(), lr=1e-4, **FUSED_ADAM[config])
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused)
     if kind.startswith("O"):
         model, optimizer = amp.initialize(model, optimizer, opt_level=kind, verbosity=0)
     return kind, dtype, model, optimizer
@@ -180,7 +203,7 @@ def allocated(device):
 
 def run(workload_name, args, device):
     model_fn, x, y = workload(workload_name, args.size, device)
-    results = {name: {"step": [], "overhead": [], "peak": []} for name in CONFIGS}
+    results = {name: {"step": [], "overhead": [], "peak": [], "master_grads": []} for name in CONFIGS}
     for round_index in range(args.rounds):
         for name in CONFIGS:
             model = optimizer = step = None  # let the previous configuration be collected
@@ -190,9 +213,29 @@ def run(workload_name, args, device):
             measured = time_steps(step, x, y, args.steps, args.warmup, device, baseline)
             for key, value in zip(("step", "overhead", "peak"), measured):
                 results[name][key].append(value)
+            results[name]["master_grads"].append(master_grad_mib(optimizer))
         print(f"  [{workload_name}] round {round_index + 1}/{args.rounds} done", flush=True)
     return {name: {key: statistics.median(values) for key, values in r.items()}
             for name, r in results.items()}
+
+
+def master_grad_mib(optimizer):
+    """MiB of fp32 master gradients amp keeps for ``optimizer`` (allocated once, held between steps)."""
+    stash = getattr(optimizer, "_amp_stash", None)
+    buffers = [b for b in getattr(stash, "master_grad_buffers", []) if b is not None]
+    return sum(b.numel() * b.element_size() for b in buffers) / 2**20
+
+
+def print_traffic(workload_name, table):
+    """Bytes per parameter moved after backward, and the fp32 master grads held, per configuration."""
+    print(f"\n{workload_name}: post-backward traffic and master grads")
+    print(f"{'config':34} {'B/param':>8} {'master grads MiB':>17} {'overhead vs torch':>18}")
+    for name, row in table.items():
+        kind, dtype = CONFIGS[name]
+        versus = ""
+        if kind.startswith("O"):
+            versus = f"{row['overhead'] / table[torch_counterpart(dtype)]['overhead']:.2f}x"
+        print(f"{name:34} {BYTES_PER_PARAM[name]:8d} {row['master_grads']:17.2f} {versus:>18}")
 
 
 def torch_counterpart(dtype):
@@ -202,7 +245,7 @@ def torch_counterpart(dtype):
 
 def print_table(workload_name, table):
     print(f"\n{workload_name}: medians over rounds (ms per step, MiB)")
-    print(f"{'config':30} {'step':>9} {'overhead':>9} {'step/fp32':>10} {'peak MiB':>9}   "
+    print(f"{'config':34} {'step':>9} {'overhead':>9} {'step/fp32':>10} {'peak MiB':>9}   "
           f"{'vs torch: step / overhead / peak':>34}")
     fp32_step = table["fp32"]["step"]
     for name, row in table.items():
@@ -213,7 +256,7 @@ def print_table(workload_name, table):
             peak = f"{row['peak'] / torch_row['peak']:.2f}x" if torch_row["peak"] > 0 else "-"
             versus = (f"{row['step'] / torch_row['step']:.2f}x / "
                       f"{row['overhead'] / torch_row['overhead']:.2f}x / {peak}")
-        print(f"{name:30} {row['step'] * 1e3:9.2f} {row['overhead'] * 1e3:9.2f} "
+        print(f"{name:34} {row['step'] * 1e3:9.2f} {row['overhead'] * 1e3:9.2f} "
               f"{row['step'] / fp32_step:10.2f} {row['peak']:9.1f}   {versus:>34}")
     print("overhead = end of backward to end of step. vs torch = amp's / the torch config's of the "
           "same dtype (autocast+GradScaler for fp16, autocast for bf16); peak memory on CUDA only.")
@@ -275,6 +318,7 @@ def main():
     for name in names:
         tables[name] = run(name, args, device)
         print_table(name, tables[name])
+        print_traffic(name, tables[name])
     if args.json:
         write_json(args.json, device, args, tables)
 

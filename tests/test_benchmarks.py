@@ -10,7 +10,8 @@ from amp.multi_tensor_apply import MultiTensorApply
 from test_examples import run
 
 TRAIN_STEP_CONFIGS = ["fp32", "autocast fp16 + GradScaler", "amp O1 (fp16)", "amp O2 (fp16)",
-                      "autocast bf16", "amp O5 (bf16)"]
+                      "amp O2 + FusedAdam (fp16)", "amp O2 + FusedAdam, master grads",
+                      "autocast bf16", "amp O5 (bf16)", "amp O5 + FusedAdam (bf16)"]
 
 
 def assert_succeeded(result):

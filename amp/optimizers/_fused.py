@@ -68,9 +68,19 @@ class FusedOptimizer(torch.optim.Optimizer):
     # The controller amp.initialize gives these optimizers under master weights (O2/O5).
     _amp_master_weights_controller = FusedMasterWeights
 
-    def __init__(self, params, defaults):
+    def __init__(self, params, defaults, materialize_master_grads, set_grad_none):
         super().__init__(params, defaults)
         self._noop_flags = {}
+        self.materialize_master_grads = bool(materialize_master_grads)
+        self.set_grad_none = bool(set_grad_none)
+        # Apex's fields, written by amp (O2/O5, materialize_master_grads=False): the scale that the
+        # model's low-precision grads carry, and whether a backward set it since the last step.
+        self.most_recent_scale = 1.0
+        self.scale_set_by_backward = False
+
+    def zero_grad(self, set_to_none=None):
+        """Clear the gradients; ``set_to_none`` defaults to the ``set_grad_none`` given at construction."""
+        super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None else set_to_none)
 
     def add_param_group(self, param_group):
         """As torch's, refusing parameters of a dtype the kernels do not step."""

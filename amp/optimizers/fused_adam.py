@@ -69,17 +69,8 @@ class FusedAdam(FusedOptimizer):
         check_real("beta parameter at index 1", betas[1], 0.0, 1.0, high_open=True)
         defaults = dict(lr=lr, bias_correction=bool(bias_correction), betas=tuple(betas), eps=eps,
                         weight_decay=weight_decay)
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, materialize_master_grads, set_grad_none)
         self.adam_w_mode = bool(adam_w_mode)
-        self.set_grad_none = bool(set_grad_none)
-        self.materialize_master_grads = bool(materialize_master_grads)
-        # Written by amp (O2/O5 without materialised master grads): the scale of the model's grads.
-        self.most_recent_scale = 1.0
-        self.scale_set_by_backward = False
-
-    def zero_grad(self, set_to_none=None):
-        """Clear the gradients; ``set_to_none`` defaults to the ``set_grad_none`` given at construction."""
-        super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None else set_to_none)
 
     def _step_group(self, group, buckets, found_inf, inv_scale, model_inv_scale):
         fresh = [param for bucket in buckets.values() for param in bucket.params

@@ -54,18 +54,8 @@ class FusedSGD(FusedOptimizer):
             raise ValueError("Nesterov momentum requires a momentum and zero dampening.")
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                         nesterov=bool(nesterov))
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, materialize_master_grads, set_grad_none)
         self.wd_after_momentum = bool(wd_after_momentum)
-        self.materialize_master_grads = bool(materialize_master_grads)
-        self.set_grad_none = bool(set_grad_none)
-        # Apex's fields, written by amp (O2/O5, materialize_master_grads=False): the scale that the
-        # model's low-precision grads carry, and whether a backward set it since the last step.
-        self.most_recent_scale = 1.0
-        self.scale_set_by_backward = False
-
-    def zero_grad(self, set_to_none=None):
-        """Clear the gradients; ``set_to_none`` defaults to the ``set_grad_none`` given at construction."""
-        super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None else set_to_none)
 
     def _step_group(self, group, buckets, found_inf, inv_scale, model_inv_scale):
         for (device, _, _, _, from_model), bucket in buckets.items():

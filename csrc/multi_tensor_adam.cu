@@ -46,7 +46,20 @@ struct AdamFunctor {
       load<W>(m, exp_avg + i);
       load<W>(v, exp_avg_sq + i);
 #pragma unroll
-      for (int k = 0; k < W; ++k) adam_element(g[k], p[k], m[k], v[k], args, factors, inv_scale);
+      for (int k = 0; k < W; ++k) {
+        // Uniform branches: every thread of the launch takes the same one.
+        if (args.l2) {
+          if (args.small_w1) {
+            adam_element<true, true>(g[k], p[k], m[k], v[k], args, factors, inv_scale);
+          } else {
+            adam_element<true, false>(g[k], p[k], m[k], v[k], args, factors, inv_scale);
+          }
+        } else if (args.small_w1) {
+          adam_element<false, true>(g[k], p[k], m[k], v[k], args, factors, inv_scale);
+        } else {
+          adam_element<false, false>(g[k], p[k], m[k], v[k], args, factors, inv_scale);
+        }
+      }
       store<W>(param + i, p);
       store<W>(exp_avg + i, m);
       store<W>(exp_avg_sq + i, v);

@@ -22,8 +22,12 @@ Rounding contract (the compiled kernels must produce the same bits):
   matrix...) is accepted, as the kernels see flat storage.
 * An output may share memory only with the inputs at its own index, and only exactly (in place,
   ``scale(x, x)``); any other overlap is refused before anything is written, with amp_C's message.
-* The l2norm family sums squares in fp32 but in a different order than a chunked kernel, so their
-  results agree with the kernels within a tolerance, not bitwise.
+* The l2norm family sums squares in a different order than a chunked kernel, so their results
+  agree with the kernels within a tolerance, not bitwise. The sum of squares is an fp32 value on
+  every path, as in Apex's CUDA kernel: where a tensor's sum of squares (or the total) exceeds
+  fp32's range its norm (or the total) is inf, even when the norm itself would fit (any norm above
+  sqrt(FLT_MAX), about 1.84e19), and an inf total sets the flag. So every path agrees on finiteness
+  and on the flag.
 
 Overflow flag: ``noop_flag`` is a 1-element int32 or fp32 tensor on the tensors' device. Ops only
 ever set it to 1, never clear it. ``multi_tensor_scale`` and ``multi_tensor_axpby`` set it when a
@@ -337,6 +341,11 @@ def _norm_results(op, chunk_size, noop_flag, tensor_lists, inv_scale, per_tensor
             torch._foreach_mul_(xs, _fp32_scalar(op, "inv_scale", inv_scale, device))
         norms = torch.stack(foreach_norm(xs, 2, dtype=torch.float32))
         total = torch.linalg.vector_norm(norms).reshape(1)
+        # torch may accumulate in fp64 (it does on CPU); the sums of squares must fit in fp32.
+        sums = norms.double().square()
+        inf = torch.full((), float("inf"), dtype=torch.float32, device=device)
+        norms = torch.where(sums.float().isinf(), inf, norms)
+        total = torch.where(sums.sum().float().isinf(), inf, total)
         if skip_if_flagged:
             # Decided on the device: reading the flag on the host would synchronise.
             already_flagged = (noop_flag != 0).view(1)

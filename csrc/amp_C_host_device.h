@@ -191,18 +191,17 @@ AMP_HOST_DEVICE inline AdamStepFactors adam_step_factors(const AdamArgs& a, int6
 
 // One Adam/AdamW step of one element, in fp32: `p`, `m`, `v` updated in place. The arithmetic of
 // torch.optim.Adam / AdamW (lerp for exp_avg, addcmul for exp_avg_sq, addcdiv for the update).
+// kL2: Adam's weight decay (mode 0, wd != 0); kSmallW1: |1 - beta1| < 0.5 (torch's lerp rule).
+// Compile-time so that the CPU loops have no branches; AdamW's decay is a multiply by `decay`,
+// which is exactly 1 when there is none.
+template <bool kL2, bool kSmallW1>
 AMP_HOST_DEVICE inline void adam_element(float grad, float& p, float& m, float& v,
                                          const AdamArgs& a, AdamStepFactors f, float inv_scale) {
   float g = mul_rn(grad, inv_scale);
-  if (a.wd != 0.f) {
-    if (a.mode == 0) {
-      g = fma_rn(a.wd, p, g);
-    } else {
-      p = mul_rn(p, a.decay);
-    }
-  }
+  if (kL2) g = fma_rn(a.wd, p, g);
+  p = mul_rn(p, a.decay);
   const float diff = sub_rn(g, m);
-  m = a.small_w1 ? fma_rn(a.w1, diff, m) : fma_rn(a.w1_minus_1, diff, g);
+  m = kSmallW1 ? fma_rn(a.w1, diff, m) : fma_rn(a.w1_minus_1, diff, g);
   v = fma_rn(mul_rn(a.w2, g), g, mul_rn(v, a.beta2));
   const float denom = add_rn(div_rn(sqrt_rn(v), f.bc2_sqrt), a.eps);
   p = add_rn(p, div_rn(mul_rn(f.neg_step_size, m), denom));

@@ -71,14 +71,14 @@ struct StepArg {
 // derived on the host, and the fp64 ones the bias corrections need once the step is known.
 struct AdamArgs {
   float wd;
-  float decay;       // fp32(1 - lr * weight_decay), AdamW
+  bool l2;           // Adam's weight decay: mode 0 and wd != 0
+  float decay;       // fp32(1 - lr * weight_decay) for AdamW with wd != 0, else exactly 1
   float w1;          // fp32(1 - beta1)
   float w1_minus_1;  // w1 - 1, exact
   bool small_w1;     // |w1| < 0.5: torch's lerp rule
   float w2;          // fp32(1 - beta2)
   float beta2;
   float eps;
-  int mode;          // 0: Adam (L2), 1: AdamW (decoupled)
   bool bias_correction;
   double lr;
   double beta1_d;

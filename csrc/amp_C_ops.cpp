@@ -416,14 +416,14 @@ void multi_tensor_adam(int64_t chunk_size, const at::Tensor& noop_flag,
   }
   AdamArgs args{};
   args.wd = static_cast<float>(weight_decay);
-  args.decay = static_cast<float>(1.0 - lr * weight_decay);
+  args.l2 = mode == 0 && args.wd != 0.f;
+  args.decay = mode == 1 && args.wd != 0.f ? static_cast<float>(1.0 - lr * weight_decay) : 1.f;
   args.w1 = static_cast<float>(1.0 - beta1);
   args.w1_minus_1 = static_cast<float>(static_cast<double>(args.w1) - 1.0);
   args.small_w1 = std::fabs(args.w1) < 0.5f;
   args.w2 = static_cast<float>(1.0 - beta2);
   args.beta2 = static_cast<float>(beta2);
   args.eps = static_cast<float>(epsilon);
-  args.mode = static_cast<int>(mode);
   args.bias_correction = bias_correction != 0;
   args.lr = lr;
   args.beta1_d = beta1;

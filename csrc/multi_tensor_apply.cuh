@@ -25,7 +25,7 @@ constexpr int kBlockSize = 512;            // threads per block
 constexpr int kILP = 8;                    // elements per thread per step: one 16-byte load of
                                            // 16-bit values, two of fp32
 constexpr int kMaxBlocksPerLaunch = 320;   // chunks queued before a launch
-constexpr int kMaxTensorsPerLaunch[kMaxDepth + 1] = {0, 110, 64, 48};
+constexpr int kMaxTensorsPerLaunch[kMaxDepth + 1] = {0, 110, 64, 48, 36, 30};
 constexpr int kVectorBytes = 16;
 
 template <int depth>
@@ -39,6 +39,8 @@ struct TensorListMetadata {
 static_assert(sizeof(TensorListMetadata<1>) < 4000, "metadata exceeds the kernel parameter limit");
 static_assert(sizeof(TensorListMetadata<2>) < 4000, "metadata exceeds the kernel parameter limit");
 static_assert(sizeof(TensorListMetadata<3>) < 4000, "metadata exceeds the kernel parameter limit");
+static_assert(sizeof(TensorListMetadata<4>) < 4000, "metadata exceeds the kernel parameter limit");
+static_assert(sizeof(TensorListMetadata<5>) < 4000, "metadata exceeds the kernel parameter limit");
 
 inline void check_cuda(cudaError_t err, const char* what) {
   if (err != cudaSuccess) {

@@ -293,6 +293,23 @@ def test_l2norm_flags_a_non_finite_norm(device, value):
     assert flag.item() == 1 and not torch.isfinite(total).item()
 
 
+@pytest.mark.parametrize("values", [[1e19] * 4, [1e20, 1.0], [1e19] * 3, [[1e19] * 2, [1e19] * 2]],
+                         ids=["sum-4e38", "square-1e40", "sum-3e38-fits", "total-only"])
+@pytest.mark.parametrize("norm", ["multi_tensor_l2norm", "multi_tensor_l2norm_mp",
+                                  "multi_tensor_unscale_l2norm"])
+def test_l2norm_family_agrees_with_the_fallback_on_finiteness_and_flag(device, values, norm):
+    # One rule on every path (Apex's CUDA one): a sum of squares beyond fp32's range gives an inf
+    # norm and raises the flag, even though the norm itself would fit in fp32.
+    xs = [torch.tensor(v, device=device) for v in (values if isinstance(values[0], list) else [values])]
+    flag, ref_flag = flags(device)
+    extra = (1.0,) if norm == "multi_tensor_unscale_l2norm" else ()
+    total, norms = getattr(amp_C, norm)(CHUNK, flag, [xs], *extra, True)
+    ref_total, ref_norms = getattr(_torch_ops, norm)(CHUNK, ref_flag, [xs], *extra, True)
+    assert torch.equal(total.isinf(), ref_total.isinf()) and torch.equal(norms.isinf(), ref_norms.isinf())
+    assert flag.item() == ref_flag.item() == int(total.isinf().item())
+    assert total.isinf().item() == (sum(float(x.double().square().sum()) for x in xs) > 3.4028234663852886e38)
+
+
 def test_l2norm_mp_returns_zeros_when_the_flag_is_already_set(device):
     gen = torch.Generator().manual_seed(11)
     xs = make([CHUNK + 1, 3], torch.float32, device, gen)

@@ -43,6 +43,17 @@ def test_unscale_benchmark_prints_the_goals_and_all_three_comparisons():
         assert heading in result.stdout, result.stdout
 
 
+def test_fused_ops_benchmark_prints_a_row_per_form_with_its_fraction_of_a_copy():
+    result = run("benchmarks/fused_ops.py", "--reps", "1", "--fallback-reps", "1")
+    if not MultiTensorApply.available:
+        assert result.returncode == 1 and "Build them first" in result.stderr, result.stderr
+        return
+    assert_succeeded(result)
+    for form in ("sgd: float32 grads", "sgd: float16 grads", "adam: bfloat16 grads"):
+        assert form in result.stdout, result.stdout
+    assert "of copy" in result.stdout
+
+
 def test_o1_overhead_benchmark_compares_the_casting_engine_with_autocast_per_model():
     result = run("benchmarks/o1_overhead.py", "--reps", "1", "--iters", "1")
     assert_succeeded(result)

@@ -232,3 +232,160 @@ def test_a_wrong_dtype_combination_is_refused_naming_the_lists(path, op):
     lists = all_lists((op, torch.float16, torch.float16, torch.float16), path)
     with pytest.raises(ValueError, match="unsupported dtype combination"):
         run_form((op,), lists, flag(path), device=path)
+
+
+# ---- the compiled kernels against the fallback, bit for bit ---------------------------------------
+
+needs_amp_C = pytest.mark.skipif(amp_C is None, reason="amp_C is not built")
+KERNEL_DEVICES = ("cpu", pytest.param("cuda", marks=pytest.mark.cuda))
+
+
+def fuzz_lists(form, device, seed, offset):
+    """Lists of ``form`` with sizes straddling CHUNK, empty tensors first, in the middle and last,
+    each tensor ``offset`` elements into its own buffer (so not 16-byte aligned when odd)."""
+    gen = torch.Generator().manual_seed(seed)
+    sizes = [0, 1, 7, CHUNK - 1, 0, CHUNK, CHUNK + 1, 2 * CHUNK + 9, 0]
+    dtypes = [form[1], form[2], *([form[2]] * (2 if form[0] == "adam" else 1))]
+    dtypes += [form[3]] if form[3] else []
+
+    def tensor(n, dtype, k):
+        values = torch.randn(n + offset, generator=gen)
+        if k == 3 and form[0] == "adam":
+            values = values.abs()  # exp_avg_sq >= 0
+        return values.to(dtype=dtype, device=device)[offset:]
+
+    return [[tensor(n, dtype, k) for n in sizes] for k, dtype in enumerate(dtypes)]
+
+
+def run_op(impl, form, lists, noop, step=5, scale=0.25, **overrides):
+    if form[0] == "sgd":
+        args = dict(wd=1e-2, momentum=0.9, dampening=0.1, lr=0.1, nesterov=True, first_run=False,
+                    wd_after_momentum=False, scale=scale) | overrides
+        impl.multi_tensor_sgd(CHUNK, noop, lists, **args)
+    else:
+        args = dict(lr=1e-2, beta1=0.9, beta2=0.999, epsilon=1e-8, step=step, mode=1,
+                    bias_correction=True, weight_decay=1e-2, inv_scale=scale) | overrides
+        impl.multi_tensor_adam(CHUNK, noop, lists, **args)
+
+
+def clone_lists(lists):
+    return [[t.clone() for t in tensors] for tensors in lists]
+
+
+def assert_same_lists(ours, theirs):
+    for k, (a_list, b_list) in enumerate(zip(ours, theirs)):
+        for i, (a, b) in enumerate(zip(a_list, b_list)):
+            assert same_bits(a.cpu(), b.cpu()), f"tensor_lists[{k}][{i}] differs"
+
+
+@needs_amp_C
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("form", FORMS, ids=str)
+@pytest.mark.parametrize("poison", [None, ("first", float("inf")), ("middle", float("nan")),
+                                    ("last", float("-inf"))], ids=str)
+def test_kernel_matches_the_fallback_bitwise(device, form, poison):
+    offset = 1 if poison is None else 0
+    lists = fuzz_lists(form, device, seed=hash((form, str(poison))) % 1000, offset=offset)
+    if poison is not None:
+        where, value = poison
+        grad = lists[0][7]
+        grad[{"first": 0, "middle": grad.numel() // 2, "last": -1}[where]] = value
+    reference = clone_lists([[t.cpu() for t in tensors] for tensors in lists])
+    noop = flag(device)
+    run_op(amp_C, form, lists, noop)
+    run_op(_torch_ops, form, reference, flag("cpu"))
+    assert_same_lists(lists, reference)
+    assert noop.item() == 0  # the ops never set the flag
+
+
+@needs_amp_C
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("variant", [
+    dict(op="sgd", first_run=True), dict(op="sgd", momentum=0.0, wd=0.0),
+    dict(op="sgd", wd_after_momentum=True, nesterov=False), dict(op="adam", mode=0),
+    dict(op="adam", bias_correction=False), dict(op="adam", beta1=0.0),
+    dict(op="adam", step=2**31 - 1), dict(op="adam", beta1=0.6, weight_decay=0.0),
+], ids=str)
+def test_kernel_matches_the_fallback_for_every_option(device, variant):
+    variant = dict(variant)
+    op = variant.pop("op")
+    form = (op, torch.float16, torch.float32, torch.bfloat16)
+    lists = fuzz_lists(form, device, seed=3, offset=0)
+    reference = clone_lists([[t.cpu() for t in tensors] for tensors in lists])
+    run_op(amp_C, form, lists, flag(device), **variant)
+    run_op(_torch_ops, form, reference, flag("cpu"), **variant)
+    assert_same_lists(lists, reference)
+
+
+def misuse_cases():
+    """(name, op, lists factory, overrides, exception, message) for calls both paths must refuse."""
+    def lists(form=("sgd", torch.float16, torch.float32, torch.float16)):
+        return lambda: fuzz_lists(form, "cpu", seed=4, offset=0)
+
+    adam = ("adam", torch.float32, torch.float32, None)
+
+    def shared():
+        ls = fuzz_lists(("sgd", torch.float32, torch.float32, None), "cpu", seed=4, offset=0)
+        ls[2][3] = ls[1][3][: ls[2][3].numel()]  # momentum buffer aliasing the weight
+        return ls
+
+    def inference():
+        ls = fuzz_lists(adam, "cpu", seed=4, offset=0)
+        with torch.inference_mode():
+            ls[2][1] = torch.zeros_like(ls[2][1])
+        return ls
+
+    def strided():
+        ls = fuzz_lists(adam, "cpu", seed=4, offset=0)
+        ls[1][2] = torch.zeros(2 * ls[1][2].numel())[::2]
+        return ls
+
+    def mixed():
+        ls = fuzz_lists(adam, "cpu", seed=4, offset=0)
+        ls[3][2] = ls[3][2].half()
+        return ls
+
+    def lengths():
+        ls = fuzz_lists(adam, "cpu", seed=4, offset=0)
+        ls[2].pop()
+        return ls
+
+    return [
+        ("three lists for adam", "adam", lambda: lists(adam)()[:3], {}, ValueError, "expects"),
+        ("five lists for sgd", "sgd", lambda: lists()() + [lists()()[0]], {}, ValueError, "expects"),
+        ("fp16 weights with copies", "sgd", lists(("sgd", torch.float16, torch.float16, torch.float16)),
+         {}, ValueError, "unsupported dtype combination"),
+        ("fp32 copies", "adam", lists(("adam", torch.float16, torch.float32, torch.float32)), {},
+         ValueError, "unsupported dtype combination"),
+        ("shared memory", "sgd", shared, {}, ValueError, "share memory"),
+        ("inference state", "adam", inference, {}, RuntimeError, "inference tensor"),
+        ("strided view", "adam", strided, {}, ValueError, "dense"),
+        ("mixed dtypes in a list", "adam", mixed, {}, ValueError, "dtype"),
+        ("unequal lengths", "adam", lengths, {}, ValueError, "tensor"),
+        ("step 0", "adam", lists(adam), dict(step=0), ValueError, "step"),
+        ("float64 step tensor", "adam", lists(adam), dict(step=torch.ones(1, dtype=torch.float64)),
+         ValueError, "step"),
+        ("mode 2", "adam", lists(adam), dict(mode=2), ValueError, "mode"),
+        ("float64 inv_scale", "adam", lists(adam), dict(inv_scale=torch.ones(1, dtype=torch.float64)),
+         ValueError, "inv_scale"),
+        ("float64 scale", "sgd", lists(), dict(scale=torch.ones(1, dtype=torch.float64)),
+         ValueError, "scale"),
+    ]
+
+
+@pytest.mark.parametrize("case", misuse_cases(), ids=lambda c: c[0])
+@pytest.mark.parametrize("impl", ["fallback", pytest.param("amp_C", marks=needs_amp_C)])
+def test_misuse_is_refused_alike_on_every_path_and_writes_nothing(case, impl):
+    _, op, make_lists, overrides, error, message = case
+    lists = make_lists()
+    before = clone_lists(lists)
+    with pytest.raises(error, match=message):
+        run_op(_torch_ops if impl == "fallback" else amp_C, (op,), lists, flag("cpu"), **overrides)
+    assert_same_lists(lists, before)
+
+
+def test_a_set_flag_on_a_misused_call_still_raises():
+    # The flag skips the arithmetic, never the checks: a bad call is reported on a skipped step too.
+    lists = fuzz_lists(("sgd", torch.float16, torch.float16, torch.float16), "cpu", seed=4, offset=0)
+    with pytest.raises(ValueError, match="unsupported dtype combination"):
+        run_op(_torch_ops, ("sgd",), lists, flag("cpu", 1))

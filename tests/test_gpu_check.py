@@ -63,6 +63,11 @@ UNSCALE_OK = """unscale fp16 grads -> fp32 master grads, with overflow check
   speed-up over (a): 1.80x (goal >= 1.5); fraction of the copy limit (b): 0.91 (goal >= 0.8)
 gpu_check: phase unscale exit 0 after 12 s
 """
+FUSED_OPS_OK = """op and form                                                    B/param kernel ms  copy ms of copy fallback ms speed-up
+sgd: float16 grads, float32 params+state, float16 model copy        20      0.30     0.27    0.90        12.0    40.0x
+adam: float16 grads, float32 params+state, float16 model copy       28      0.40     0.36    0.90        30.0    75.0x
+gpu_check: phase fused_ops exit 0 after 30 s
+"""
 TRAIN_STEP_OK = "gpu: medians over rounds\ngpu_check: phase train_step exit 0 after 60 s\n"
 
 
@@ -74,7 +79,7 @@ def train_step_report(o2_step=9.0, o2_peak=900.0):
 
 def write_logs(out, **logs):
     defaults = {"build.log": BUILD_OK, "cuda_tests.log": CUDA_TESTS_OK, "cpu_suite.log": CPU_SUITE_OK,
-                "unscale.log": UNSCALE_OK, "train_step.log": TRAIN_STEP_OK,
+                "unscale.log": UNSCALE_OK, "fused_ops.log": FUSED_OPS_OK, "train_step.log": TRAIN_STEP_OK,
                 "train_step.json": train_step_report()}
     for name, text in defaults.items():
         text = logs.get(name.replace(".", "_"), text)
@@ -112,7 +117,7 @@ def test_without_a_gpu_the_script_exits_with_a_message_and_builds_nothing(tmp_pa
     assert "no CUDA GPU is visible to PyTorch" in result.stderr
     assert "setup.py" not in calls.read_text()
     table = (out / "summary.md").read_text()
-    assert table.count("| not run |") == 7 and "| met |" not in table
+    assert table.count("| not run |") == 8 and "| met |" not in table
 
 
 def test_the_script_without_an_output_folder_prints_its_usage():
@@ -244,3 +249,12 @@ def test_a_train_step_json_without_the_compared_configs_is_not_run(tmp_path):
     write_logs(tmp_path, train_step_json=json.dumps({"workloads": {"gpt": {"fp32": {}}}}))
     train = row(tmp_path, "train_step")
     assert train.status == summary.NOT_RUN and "not what this summary reads" in train.result
+
+
+def test_a_fused_kernel_below_the_copy_goal_is_not_met_and_a_missing_log_not_run(tmp_path):
+    write_logs(tmp_path, fused_ops_log=FUSED_OPS_OK.replace("0.90", "0.50", 1))
+    assert row(tmp_path, "fused sgd").status == summary.NOT_MET
+    assert row(tmp_path, "fused adam").status == summary.MET
+    write_logs(tmp_path, fused_ops_log=None)
+    (tmp_path / "fused_ops.log").unlink()
+    assert row(tmp_path, "fused optimizer kernels").status == summary.NOT_RUN

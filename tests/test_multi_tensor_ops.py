@@ -470,3 +470,42 @@ def test_check_avail_explains_how_to_build_the_extension(monkeypatch):
     monkeypatch.setattr(mta.MultiTensorApply, "available", False)
     with pytest.raises(RuntimeError, match="AMP_CUDA_EXT=1"):
         multi_tensor_applier.check_avail()
+
+
+# --- one overflow rule for the l2norm family (issue 17, item 7) -------------------------------------
+
+# Sums of squares around fp32's limit (FLT_MAX ~ 3.4e38) with norms that all fit in fp32:
+# 4 x 1e19 sums to 4e38 (overflows), 3 x 1e19 to 3e38 (fits), 1e20 squares to 1e40 alone.
+OVERFLOWING_SUMS = [[1e19] * 4, [1e20, 1.0], [1e19, 1e19, 1e19, 1e19, 1e19, 1e19]]
+
+
+@pytest.mark.parametrize("values", OVERFLOWING_SUMS, ids=str)
+@pytest.mark.parametrize("norm", ["l2norm", "l2norm_mp", "unscale_l2norm"])
+def test_l2norm_of_a_sum_of_squares_beyond_fp32_is_inf_and_flagged(values, norm):
+    # Apex's CUDA kernel accumulates in fp32: the total is inf and the flag set, although the norm
+    # itself would fit in fp32.
+    x = torch.tensor(values, dtype=torch.float32)
+    noop = flag()
+    if norm == "unscale_l2norm":
+        total, per_tensor = multi_tensor_unscale_l2norm(CHUNK, noop, [[x]], 1.0, True)
+    else:
+        op = multi_tensor_l2norm if norm == "l2norm" else multi_tensor_l2norm_mp
+        total, per_tensor = op(CHUNK, noop, [[x]], True)
+    assert x.double().norm().item() < torch.finfo(torch.float32).max
+    assert total.isinf().item() and per_tensor.isinf().item() and noop.item() == 1
+
+
+def test_l2norm_total_beyond_fp32_is_inf_while_each_tensor_norm_fits():
+    xs = [torch.tensor([1e19, 1e19]), torch.tensor([1e19, 1e19])]  # 2e38 each, 4e38 together
+    noop = flag()
+    total, per_tensor = multi_tensor_l2norm(CHUNK, noop, [xs], True)
+    assert total.isinf().item() and noop.item() == 1
+    torch.testing.assert_close(per_tensor, torch.tensor([2.0**0.5 * 1e19] * 2))
+
+
+def test_l2norm_of_a_sum_of_squares_just_within_fp32_is_finite():
+    x = torch.tensor([1e19, 1e19, 1e19])  # 3e38 < FLT_MAX
+    noop = flag()
+    total, _ = multi_tensor_l2norm(CHUNK, noop, [[x]])
+    torch.testing.assert_close(total, torch.tensor([3.0**0.5 * 1e19]))
+    assert noop.item() == 0

@@ -28,7 +28,7 @@ BUDGET_S=${GPU_CHECK_BUDGET_S:-540}
 START=$SECONDS
 # The benchmarks import amp and the freshly built amp_C from the root, as pytest does.
 export PYTHONUNBUFFERED=1 PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-rm -f "$OUT"/{build,cuda_tests,cpu_suite,unscale,train_step}.log "$OUT"/train_step.json "$OUT"/summary.md
+rm -f "$OUT"/{build,cuda_tests,cpu_suite,unscale,fused_ops,train_step}.log "$OUT"/train_step.json "$OUT"/summary.md
 
 # A phase that runs out of time gets SIGINT, so that pytest still prints its summary line. A
 # shell that starts jobs in the background makes them ignore SIGINT, and Python keeps it
@@ -86,7 +86,7 @@ print(f"gpu_check: device {', '.join(names)}; torch {torch.__version__} (CUDA "
 EOF
     cat "$OUT/build.log" >&2
     echo "gpu_check: nothing was built or run; see $OUT/summary.md" >&2
-    for name in build cuda_tests cpu_suite unscale train_step; do
+    for name in build cuda_tests cpu_suite unscale fused_ops train_step; do
         skip "$name" "$OUT/$name.log" "no CUDA GPU (see build.log)"
     done
     summarize >/dev/null
@@ -125,6 +125,8 @@ done
 
 phase cuda_tests "$OUT/cuda_tests.log" 120 "${PYTEST[@]}" -m cuda
 phase unscale "$OUT/unscale.log" 90 "$PYTHON" benchmarks/unscale.py --device cuda
+phase fused_ops "$OUT/fused_ops.log" 120 "$PYTHON" benchmarks/fused_ops.py --device cuda --reps 10 \
+    --fallback-reps 2
 phase train_step "$OUT/train_step.log" 150 "$PYTHON" benchmarks/train_step.py --device cuda \
     --size large --rounds 3 --json "$OUT/train_step.json"
 phase cpu_suite "$OUT/cpu_suite.log" "$BUDGET_S" "${PYTEST[@]}" -m "not cuda"

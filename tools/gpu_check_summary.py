@@ -19,6 +19,7 @@ from pathlib import Path
 # The goals, from issue 12.
 UNSCALE_VS_TORCH_GOAL = 1.5  # amp_C's speed over copy_ + _amp_foreach_non_finite_check_and_unscale_
 UNSCALE_VS_COPY_GOAL = 0.85  # amp_C's speed as a fraction of a plain fp16 -> fp32 copy's
+FUSED_VS_COPY_GOAL = 0.8  # each fused optimizer kernel's speed as a fraction of a copy of its bytes
 O2_VS_TORCH_GOAL = 1.0  # O2's step time and peak memory over autocast + GradScaler's
 
 SYNC_FREE_TEST = "tests/test_sync_free.py::test_cuda_fused_step_has_no_sync"
@@ -35,6 +36,8 @@ PYTEST_COUNT = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed
 PYTEST_TOTAL = re.compile(r"\bin \d+(\.\d+)?s\b|no tests ran")
 SPEEDUP = re.compile(r"speed-up over \(a\):\s*([0-9.]+)x")
 COPY_FRACTION = re.compile(r"fraction of the copy limit \(b\):\s*([0-9.]+)")
+# A row of benchmarks/fused_ops.py: form, bytes per param, kernel ms, copy ms, fraction of the copy.
+FUSED_ROW = re.compile(r"^((?:sgd|adam): .*?)\s+(\d+)\s+([0-9.]+)\s+([0-9.]+)\s+([0-9.]+)\s", re.M)
 
 
 def read(out_dir, name):
@@ -128,6 +131,21 @@ def unscale_rows(log):
     return rows
 
 
+def fused_ops_rows(log):
+    status, problem = phase_outcome(log, "fused_ops")
+    rows = []
+    for form, nbytes, _, _, fraction in FUSED_ROW.findall(log):
+        value = float(fraction)
+        rows.append(Row(f"fused {form} ({nbytes} B/param) vs a copy of its bytes",
+                        f"{value:.2f} of its speed", f">= {FUSED_VS_COPY_GOAL}",
+                        MET if value >= FUSED_VS_COPY_GOAL else NOT_MET))
+    if not rows:
+        reason = problem or "no rows in the log (did benchmarks/fused_ops.py change its output?)"
+        rows.append(Row("fused optimizer kernels vs a copy of their bytes", reason,
+                        f">= {FUSED_VS_COPY_GOAL}", NOT_RUN))
+    return rows
+
+
 def train_step_rows(log, report_text):
     check, goal = "train_step: amp O2 vs autocast + GradScaler", f"<= {O2_VS_TORCH_GOAL}"
     status, problem = phase_outcome(log, "train_step")
@@ -154,12 +172,13 @@ def train_step_rows(log, report_text):
 def summarize(out_dir):
     """(rows, notes, markdown) for the logs in ``out_dir``."""
     logs = {name: read(out_dir, f"{name}.log")
-            for name in ("build", "cuda_tests", "cpu_suite", "unscale", "train_step")}
+            for name in ("build", "cuda_tests", "cpu_suite", "unscale", "fused_ops", "train_step")}
     rows = [build_row(logs["build"]),
             tests_row("CUDA tests (pytest -m cuda)", logs["cuda_tests"], "cuda_tests"),
             sync_free_row(logs["cuda_tests"]),
             tests_row("CPU suite against amp_C (pytest -m 'not cuda')", logs["cpu_suite"], "cpu_suite"),
             *unscale_rows(logs["unscale"]),
+            *fused_ops_rows(logs["fused_ops"]),
             *train_step_rows(logs["train_step"], read(out_dir, "train_step.json"))]
     notes = sorted({note for log in logs.values() for note in LEFT_OUT.findall(log)})
     device = DEVICE.search(logs["build"])

@@ -7,16 +7,20 @@ namespace amp_C {
 namespace cpu {
 namespace {
 
-// kCopy: a model-copy list exists (copy_t is then its element type); param_t is also the state's.
-template <bool kCopy, typename grad_t, typename param_t, typename copy_t>
-AMP_INLINE void adam_loop(const grad_t* grad, param_t* param, param_t* exp_avg,
-                          param_t* exp_avg_sq, copy_t* copy, int64_t n, const AdamArgs& args,
+// kCopy: a model-copy list exists (copy_t is then its element type); param_t is also the state's;
+// kL2, kSmallW1: see adam_element. The lists never overlap (checked by the caller), hence
+// __restrict; `a` is a local copy so that the stores cannot alias it: both let the loop vectorise.
+template <bool kCopy, bool kL2, bool kSmallW1, typename grad_t, typename param_t, typename copy_t>
+AMP_INLINE void adam_loop(const grad_t* __restrict grad, param_t* __restrict param,
+                          param_t* __restrict exp_avg, param_t* __restrict exp_avg_sq,
+                          copy_t* __restrict copy, int64_t n, const AdamArgs& args,
                           AdamStepFactors factors, float inv_scale) {
+  const AdamArgs a = args;
   for (int64_t i = 0; i < n; ++i) {
     float p = to_float(param[i]);
     float m = to_float(exp_avg[i]);
     float v = to_float(exp_avg_sq[i]);
-    adam_element(to_float(grad[i]), p, m, v, args, factors, inv_scale);
+    adam_element<kL2, kSmallW1>(to_float(grad[i]), p, m, v, a, factors, inv_scale);
     param[i] = from_float<param_t>(p);
     exp_avg[i] = from_float<param_t>(m);
     exp_avg_sq[i] = from_float<param_t>(v);
@@ -24,36 +28,65 @@ AMP_INLINE void adam_loop(const grad_t* grad, param_t* param, param_t* exp_avg,
   }
 }
 
+// param_t is also the state's type; the caller checked the combination. No lambdas: everything
+// must inline into the clones of adam_piece to be compiled for them.
+template <bool kL2, bool kSmallW1, typename grad_t, typename param_t>
+AMP_INLINE void adam_options(const TensorLists& lists, const Piece& p, const AdamArgs& args,
+                             AdamStepFactors factors, float inv_scale) {
+  const int64_t t = p.tensor;
+  const int64_t n = p.end - p.begin;
+  const grad_t* grad = static_cast<const grad_t*>(lists.ptr[0][t]) + p.begin;
+  param_t* param = static_cast<param_t*>(lists.ptr[1][t]) + p.begin;
+  param_t* exp_avg = static_cast<param_t*>(lists.ptr[2][t]) + p.begin;
+  param_t* exp_avg_sq = static_cast<param_t*>(lists.ptr[3][t]) + p.begin;
+  if (lists.depth == 4) {
+    adam_loop<false, kL2, kSmallW1>(grad, param, exp_avg, exp_avg_sq,
+                                    static_cast<float*>(nullptr), n, args, factors, inv_scale);
+  } else if (lists.dtype[4] == DType::Float16) {
+    adam_loop<true, kL2, kSmallW1>(grad, param, exp_avg, exp_avg_sq,
+                                   static_cast<half_t*>(lists.ptr[4][t]) + p.begin, n, args,
+                                   factors, inv_scale);
+  } else {
+    adam_loop<true, kL2, kSmallW1>(grad, param, exp_avg, exp_avg_sq,
+                                   static_cast<bf16_t*>(lists.ptr[4][t]) + p.begin, n, args,
+                                   factors, inv_scale);
+  }
+}
+
+template <typename grad_t, typename param_t>
+AMP_INLINE void adam_typed(const TensorLists& lists, const Piece& p, const AdamArgs& args,
+                           AdamStepFactors factors, float inv_scale) {
+  if (args.l2) {
+    if (args.small_w1) {
+      adam_options<true, true, grad_t, param_t>(lists, p, args, factors, inv_scale);
+    } else {
+      adam_options<true, false, grad_t, param_t>(lists, p, args, factors, inv_scale);
+    }
+  } else if (args.small_w1) {
+    adam_options<false, true, grad_t, param_t>(lists, p, args, factors, inv_scale);
+  } else {
+    adam_options<false, false, grad_t, param_t>(lists, p, args, factors, inv_scale);
+  }
+}
+
+// Params and state are fp32 or the grads' dtype.
+template <typename grad_t>
+AMP_INLINE void adam_grads(const TensorLists& lists, const Piece& p, const AdamArgs& args,
+                           AdamStepFactors factors, float inv_scale) {
+  if (lists.dtype[1] == DType::Float32) {
+    adam_typed<grad_t, float>(lists, p, args, factors, inv_scale);
+  } else {
+    adam_typed<grad_t, grad_t>(lists, p, args, factors, inv_scale);
+  }
+}
+
 AMP_CPU_CLONES void adam_piece(const TensorLists& lists, const Piece& p, const AdamArgs& args,
                                AdamStepFactors factors, float inv_scale) {
-  const auto at = [&](int k) { return lists.ptr[k][p.tensor]; };
-  const int64_t n = p.end - p.begin;
-  dispatch_float_types(lists.dtype[0], "multi_tensor_adam", [&](auto g) {
-    using grad_t = decltype(g);
-    const grad_t* grad = static_cast<const grad_t*>(at(0)) + p.begin;
-    const auto run = [&](auto w) {
-      using param_t = decltype(w);
-      auto* param = static_cast<param_t*>(at(1)) + p.begin;
-      auto* exp_avg = static_cast<param_t*>(at(2)) + p.begin;
-      auto* exp_avg_sq = static_cast<param_t*>(at(3)) + p.begin;
-      if (lists.depth == 4) {
-        adam_loop<false>(grad, param, exp_avg, exp_avg_sq, static_cast<float*>(nullptr), n, args,
-                         factors, inv_scale);
-      } else if (lists.dtype[4] == DType::Float16) {
-        adam_loop<true>(grad, param, exp_avg, exp_avg_sq, static_cast<half_t*>(at(4)) + p.begin,
-                        n, args, factors, inv_scale);
-      } else {
-        adam_loop<true>(grad, param, exp_avg, exp_avg_sq, static_cast<bf16_t*>(at(4)) + p.begin,
-                        n, args, factors, inv_scale);
-      }
-    };
-    // The caller checked the combination: params and state are fp32 or the grads' dtype.
-    if (lists.dtype[1] == DType::Float32) {
-      run(float{});
-    } else {
-      run(grad_t{});
-    }
-  });
+  switch (lists.dtype[0]) {
+    case DType::Float32: adam_grads<float>(lists, p, args, factors, inv_scale); break;
+    case DType::Float16: adam_grads<half_t>(lists, p, args, factors, inv_scale); break;
+    default: adam_grads<bf16_t>(lists, p, args, factors, inv_scale); break;
+  }
 }
 
 }  // namespace

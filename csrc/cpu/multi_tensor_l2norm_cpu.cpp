@@ -1,6 +1,7 @@
 // CPU twin of multi_tensor_l2norm.cu: per-chunk sums of squares in parallel, then fixed-order
 // per-tensor and total reductions (in fp64), so the result does not depend on the thread count.
-// The flag is set when the total is not finite.
+// As in the CUDA kernel, a sum of squares beyond fp32's range makes the norm inf (even when the
+// norm would fit). The flag is set when the total is not finite.
 #include <cmath>
 
 #include "multi_tensor_apply_cpu.h"
@@ -42,6 +43,13 @@ AMP_CPU_CLONES float sum_squares_piece(const TensorLists& lists, const Piece& p,
   return sum;
 }
 
+// The norm of an fp64 sum of squares, inf when the sum itself does not fit in fp32 (as the CUDA
+// kernel's fp32 sums do not).
+float fp32_norm(double sum_of_squares) {
+  const auto sum = static_cast<float>(sum_of_squares);
+  return is_finite(sum) ? static_cast<float>(std::sqrt(sum_of_squares)) : sum;
+}
+
 }  // namespace
 }  // namespace cpu
 
@@ -63,10 +71,10 @@ void multi_tensor_l2norm_cpu(int64_t chunk_size, Flag flag, const TensorLists& l
     double tensor_sum = 0.0;
     for (int64_t c = first_chunk[t]; c < first_chunk[t + 1]; ++c) tensor_sum += out.chunk_sums[c];
     out.tensor_sums[t] = static_cast<float>(tensor_sum);
-    if (out.per_tensor != nullptr) out.per_tensor[t] = static_cast<float>(std::sqrt(tensor_sum));
+    if (out.per_tensor != nullptr) out.per_tensor[t] = fp32_norm(tensor_sum);
     total += tensor_sum;
   }
-  *out.total = static_cast<float>(std::sqrt(total));
+  *out.total = fp32_norm(total);
   if (!is_finite(*out.total)) raise_flag(flag);
 }
 

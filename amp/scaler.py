@@ -519,8 +519,9 @@ class LossScaler:
         # A static scaler counts without bound (as Apex's did); a dynamic one restarts at the interval.
         most = _INT32.max if not self.dynamic else self._scale_seq_len - 1
         _require(_is_int(unskipped) and 0 <= unskipped <= most, where, "unskipped",
-                 f"an int in [0, {most}] (clean steps since the last growth, below this scaler's growth "
-                 "interval)", unskipped)
+                 f"an int in [0, {most}] (clean steps since the last growth, below this scaler's "
+                 f"growth_interval={self._scale_seq_len}; resume with the saved run's growth_interval)",
+                 unskipped)
         # The tracker counts down from hysteresis, one per consecutive overflow.
         _require(_is_int(hysteresis_tracker) and _INT32.min <= hysteresis_tracker <= self._hysteresis, where,
                  "hysteresis_tracker", f"an int in [{_INT32.min}, {self._hysteresis}] (at most this scaler's "

@@ -204,6 +204,15 @@ def test_load_state_dict_rejects_bad_dicts_without_changing_state(bad, message):
     assert state(scaler) == before
 
 
+def test_a_counter_beyond_the_growth_interval_is_refused_with_the_remedy():
+    scaler = LossScaler("dynamic", growth_interval=5)
+    saved = LossScaler("dynamic", growth_interval=50)
+    for _ in range(7):
+        step(saved, overflow=False)
+    with pytest.raises(ValueError, match="growth_interval=5; resume with the saved run's growth_interval"):
+        scaler.load_state_dict(saved.state_dict())
+
+
 def test_static_scaler_loads_apex_counters_that_grew_without_bound():
     scaler = LossScaler(128.0)
     scaler.load_state_dict({"loss_scale": 128.0, "unskipped": 10**6})

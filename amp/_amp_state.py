@@ -24,13 +24,14 @@ class AmpContext:
     """What one ``amp.initialize`` call configured: options (``Properties``) and loss scalers."""
 
     def __init__(self, properties, loss_scalers=(), verbosity=1, overflow_process_group=None,
-                 min_loss_scale=None, max_loss_scale=2.0**24):
+                 min_loss_scale=None, max_loss_scale=2.0**24, max_steps_at_scale_floor=0):
         self.properties = properties
         self.loss_scalers = list(loss_scalers)
         self.verbosity = verbosity
         self.overflow_process_group = overflow_process_group
         self.min_loss_scale = min_loss_scale
         self.max_loss_scale = max_loss_scale
+        self.max_steps_at_scale_floor = max_steps_at_scale_floor
         # Weak references to the models and optimizers this call returned (see ``live``).
         self._owners = []
 

@@ -152,7 +152,8 @@ def _check_process_group(group):
 
 
 def _check_arguments(enabled, opt_level, verbosity, num_losses, cast_model_outputs, growth_interval,
-                     hysteresis, max_consecutive_skips, overflow_process_group):
+                     hysteresis, max_consecutive_skips, overflow_process_group,
+                     max_steps_at_scale_floor):
     """Every check of initialize's own arguments that needs no model or optimizer."""
     _check_bool("enabled", enabled)
     if isinstance(verbosity, bool) or verbosity not in (0, 1, 2):
@@ -167,10 +168,11 @@ def _check_arguments(enabled, opt_level, verbosity, num_losses, cast_model_outpu
     _check_positive_int("num_losses", num_losses)
     _check_positive_int("growth_interval", growth_interval)
     _check_positive_int("hysteresis", hysteresis)
-    if isinstance(max_consecutive_skips, bool) or not isinstance(max_consecutive_skips, int) \
-            or max_consecutive_skips < 0:
-        raise ValueError("max_consecutive_skips must be a non-negative integer (0 disables the "
-                         f"check), got {max_consecutive_skips!r}.")
+    for name, value in (("max_consecutive_skips", max_consecutive_skips),
+                        ("max_steps_at_scale_floor", max_steps_at_scale_floor)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be a non-negative integer (0 disables the check), "
+                             f"got {value!r}.")
     if cast_model_outputs is not None and (not isinstance(cast_model_outputs, torch.dtype)
                                            or not cast_model_outputs.is_floating_point):
         raise TypeError("cast_model_outputs must be a floating-point torch.dtype (e.g. "
@@ -196,7 +198,7 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
                loss_scale=None, cast_model_outputs=None, num_losses=1, verbosity=1,
                min_loss_scale=None, max_loss_scale=2.0**24, *, growth_factor=2.0,
                backoff_factor=None, growth_interval=2000, hysteresis=1,
-               max_consecutive_skips=50, overflow_process_group=None):
+               max_consecutive_skips=50, overflow_process_group=None, max_steps_at_scale_floor=100):
     """Prepare models and optimizers for mixed-precision training at the chosen ``opt_level``.
 
     Usage (Apex's three lines)::
@@ -221,6 +223,11 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
             Every overflowing step is still skipped.
         max_consecutive_skips (int): raise :class:`amp.NonFiniteGradientsError` naming the
             offending parameters after this many skipped steps in a row (0 disables the check).
+        max_steps_at_scale_floor (int): raise :class:`amp.LossScaleFloorError` after this many
+            steps with a dynamic scale held at a floor below 1 (``min_loss_scale``, 2**-24 by
+            default) by overflows that recur too often for it to grow; there small fp16 gradients
+            flush to zero, so steps stop training. A rate-limited warning comes first (0 disables
+            the error, not the warning).
         overflow_process_group: a ``torch.distributed`` group over which the overflow flag is
             all-reduced (MAX) so every rank makes the same skip decision (for sharded or
             model-parallel training; DDP's gradient all-reduce already agrees on its own).
@@ -235,7 +242,8 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
     (``amp._amp_state`` shows the latest call's).
     """
     _check_arguments(enabled, opt_level, verbosity, num_losses, cast_model_outputs, growth_interval,
-                     hysteresis, max_consecutive_skips, overflow_process_group)
+                     hysteresis, max_consecutive_skips, overflow_process_group,
+                     max_steps_at_scale_floor)
     if not enabled:
         return _initialize_disabled(models, optimizers, verbosity)
 
@@ -248,7 +256,8 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
                           backoff_factor=backoff_factor, hysteresis=hysteresis)
     context = AmpContext(properties, verbosity=verbosity,
                          overflow_process_group=overflow_process_group,
-                         min_loss_scale=min_loss_scale, max_loss_scale=max_loss_scale)
+                         min_loss_scale=min_loss_scale, max_loss_scale=max_loss_scale,
+                         max_steps_at_scale_floor=max_steps_at_scale_floor)
     result = _initialize(models, optimizers, context, num_losses, cast_model_outputs,
                          scaler_options, max_consecutive_skips)
     level = OPT_LEVELS[opt_level]

@@ -268,6 +268,8 @@ class LossScaler:
         self._updates = 0
         self._host_scale = _LaggedHostScale(initial)
         self._warned_low_scale = False
+        # Whether the host last saw the scale sitting at a floor below 1 (see ``stuck_at_floor``).
+        self._at_floor = False
         # Created on the CPU; _place moves it to the device where it is used (normally once).
         self._device = None
         self._scale = torch.full((1,), initial, dtype=torch.float32)
@@ -294,6 +296,7 @@ class LossScaler:
         value = self._scale.item()
         self._host_scale.set(value, self._updates)
         self._warn_if_low(value)
+        self._note_host_scale(value)
         return value
 
     def get_scale(self):
@@ -320,6 +323,21 @@ class LossScaler:
         self._scale.fill_(value)
         self._static_scale = value
         self._host_scale.set(value, self._updates)
+        self._note_host_scale(value)
+
+    def _note_host_scale(self, value):
+        """Take in a value of the scale that the host has learnt (without waiting for the device)."""
+        floor = self._scale_range[0]
+        self._at_floor = self.dynamic and floor < UNDERFLOW_WARNING_SCALE and value <= floor
+
+    def stuck_at_floor(self):
+        """Whether the scale, as the host last learnt it, sits at its floor and that floor is below 1.
+
+        Read without a sync (on CUDA the host learns the scale a step or so late). A scale held
+        there by recurring overflows scales the gradients down so far that small fp16 ones flush
+        to zero, and applied steps stop changing the weights.
+        """
+        return self._at_floor
 
     def _warn_if_low(self, value):
         if value < UNDERFLOW_WARNING_SCALE and not self._warned_low_scale:
@@ -385,12 +403,16 @@ class LossScaler:
 
     def _inverse_scale_bound(self):
         """An upper bound on 1/scale known on the host without a sync."""
-        value = self._host_scale.poll()
-        if value is not None:
-            self._warn_if_low(value)
+        self._poll_host_scale()
         floor = self._scale_range[0]
         # Rounding is monotonic: a scale at or above the bound has an fp32 inverse at or below this.
         return _as_fp32(1.0 / self._host_scale.lower_bound(self._updates, self._backoff_factor, floor))
+
+    def _poll_host_scale(self):
+        value = self._host_scale.poll()
+        if value is not None:
+            self._warn_if_low(value)
+            self._note_host_scale(value)
 
     def _check_outputs(self, inputs, factor_bound, outputs):
         """Flag non-finite ``outputs`` if ``factor * inputs`` may overflow them (see ``_may_overflow``)."""
@@ -468,6 +490,7 @@ class LossScaler:
         self._scale.clamp_(*self._scale_range)
         self._updates += 1
         self._host_scale.enqueue(self._scale, self._updates)
+        self._poll_host_scale()
         return should_skip
 
     def update_scale(self):

@@ -106,6 +106,9 @@ class _LaggedHostScale:
         self.buffer = torch.zeros(1, dtype=torch.float32, pin_memory=True) if on_cuda else None
         self.copied = torch.cuda.Event() if on_cuda else None
         self.pending_at = None
+        # What poll reads: a numpy view, made once, of the buffer (CUDA) or of the scale (CPU).
+        self.source = self.buffer
+        self.view = self.buffer.numpy() if on_cuda else None
 
     def set(self, value, updates):
         """The host wrote ``value`` itself: known exactly, and any copy in flight is stale."""
@@ -113,9 +116,9 @@ class _LaggedHostScale:
 
     def enqueue(self, scale, updates):
         if self.copied is None:
-            self.source = scale
+            if scale is not self.source:
+                self.source, self.view = scale, scale.numpy()
         else:
-            self.source = self.buffer
             self.buffer.copy_(scale, non_blocking=True)
             # The copy runs on the scale's device's stream, which need not be the current device's.
             self.copied.record(torch.cuda.current_stream(scale.device))
@@ -125,7 +128,7 @@ class _LaggedHostScale:
         """Take in the copy in flight if it has landed; returns its value, or None."""
         if self.pending_at is None or (self.copied is not None and not self.copied.query()):
             return None
-        self.set(float(self.source.numpy()[0]), self.pending_at)
+        self.set(float(self.view[0]), self.pending_at)
         return self.value
 
     def lower_bound(self, updates, backoff_factor, floor):
@@ -273,6 +276,9 @@ class LossScaler:
         # Created on the CPU; _place moves it to the device where it is used (normally once).
         self._device = None
         self._scale = torch.full((1,), initial, dtype=torch.float32)
+        # 1 / scale, divided in fp64 and rounded to fp32 (see _ratio), kept beside the scale by
+        # every write so that unscaling needs no op to compute it.
+        self._inv_scale = torch.full((1,), 1.0 / _as_fp32(initial), dtype=torch.float32)
         self._growth_tracker = torch.zeros(1, dtype=torch.int32)
         self._hysteresis_tracker = torch.full((1,), hysteresis, dtype=torch.int32)
         self._overflow_buf = torch.zeros(1, dtype=torch.float32)
@@ -282,6 +288,7 @@ class LossScaler:
         device = torch.device(device)
         if device != self._device:
             self._scale = self._scale.to(device)
+            self._inv_scale = self._inv_scale.to(device)
             self._growth_tracker = self._growth_tracker.to(device)
             self._hysteresis_tracker = self._hysteresis_tracker.to(device)
             self._overflow_buf = self._overflow_buf.to(device)
@@ -321,6 +328,7 @@ class LossScaler:
 
     def _write_scale(self, value):
         self._scale.fill_(value)
+        self._inv_scale.fill_(1.0 / _as_fp32(value))
         self._static_scale = value
         self._host_scale.set(value, self._updates)
         self._note_host_scale(value)
@@ -432,7 +440,7 @@ class LossScaler:
             if not isinstance(value, torch.Tensor) and float(value) == 1.0:
                 return
         self._place(model_grads[0].device)
-        inv_scale = self._ratio(1.0, self._scale if scale_override is None else scale_override)
+        inv_scale = self._inv_scale if scale_override is None else self._ratio(1.0, scale_override)
         multi_tensor_applier(multi_tensor_scale, self._check_buffer(), [model_grads, master_grads], inv_scale)
         if self.dynamic:
             bound = self._inverse_scale_bound() if scale_override is None else _factor_bound(1.0, scale_override)
@@ -452,13 +460,15 @@ class LossScaler:
         self._place(model_grads[0].device)
         if scale_override is None:
             grads_have_scale, stashed_have_scale, out_scale = self._scale, 1.0, 1.0
+            model_factor = self._inv_scale
         else:
             grads_have_scale, stashed_have_scale, out_scale = scale_override
+            model_factor = self._ratio(out_scale, grads_have_scale)
         multi_tensor_applier(
             multi_tensor_axpby,
             self._check_buffer(),
             [model_grads, stashed_master_grads, master_grads],
-            self._ratio(out_scale, grads_have_scale),
+            model_factor,
             self._ratio(out_scale, stashed_have_scale),
             0,
         )
@@ -475,7 +485,10 @@ class LossScaler:
         """
         if not self.dynamic:
             return torch.zeros(1, dtype=torch.float32, device=self._scale.device)
-        should_skip = (self._overflow_buf > 0).to(torch.float32)
+        should_skip = torch.empty(1, dtype=torch.float32, device=self._scale.device)
+        # One call (one kernel) does it all: the step, the clamp into the range (the host keeps
+        # the scale within it, so clamping what the update did suffices), 1/scale for the next
+        # unscale, and the skip decision.
         update_scale_hysteresis(
             self._scale,
             self._growth_tracker,
@@ -485,9 +498,10 @@ class LossScaler:
             self._backoff_factor,
             self._scale_seq_len,
             self._hysteresis,
+            *self._scale_range,
+            self._inv_scale,
+            should_skip,
         )
-        # The host keeps the scale within the range, so clamping what the update did suffices.
-        self._scale.clamp_(*self._scale_range)
         self._updates += 1
         self._host_scale.enqueue(self._scale, self._updates)
         self._poll_host_scale()

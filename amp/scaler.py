@@ -336,7 +336,8 @@ class LossScaler:
     def _note_host_scale(self, value):
         """Take in a value of the scale that the host has learnt (without waiting for the device)."""
         floor = self._scale_range[0]
-        self._at_floor = self.dynamic and floor < UNDERFLOW_WARNING_SCALE and value <= floor
+        # The device clamps to the floor rounded to fp32 (a floor of 0.1 is 0.10000000149...).
+        self._at_floor = self.dynamic and floor < UNDERFLOW_WARNING_SCALE and value <= _as_fp32(floor)
 
     def stuck_at_floor(self):
         """Whether the scale, as the host last learnt it, sits at its floor and that floor is below 1.

@@ -77,6 +77,14 @@ def test_a_scale_that_leaves_the_floor_restarts_the_count(caplog):
     assert floor_messages(caplog) == []
 
 
+@pytest.mark.filterwarnings("ignore:amp. the dynamic loss scale fell")
+def test_a_floor_that_fp32_rounds_up_is_watched_too():
+    model, optimizer = initialized("O2", min_loss_scale=1e-3, max_steps_at_scale_floor=2, **SCENARIO)
+    with pytest.raises(amp.LossScaleFloorError, match="min_loss_scale=0.001 for 3 step"):
+        train(model, optimizer, FLOOR_STEP)
+    assert amp.loss_scale(optimizer=optimizer) > 1e-3  # the floor in fp32: 0.0010000000475
+
+
 def test_a_floor_of_one_is_not_watched(caplog):
     model, optimizer = initialized("O2", min_loss_scale=1.0, max_steps_at_scale_floor=3, **SCENARIO)
     with caplog.at_level(logging.WARNING, logger="amp"):

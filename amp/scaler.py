@@ -376,7 +376,11 @@ class LossScaler:
         self._growth_tracker.fill_(int(value))
 
     def scale_tensor(self, device):
-        """The scale as a 0-dim float32 tensor on ``device`` (where the state then lives)."""
+        """The scale as a 0-dim float32 tensor on ``device`` (where the state then lives).
+
+        It is the scaler's own state, to be read: change the scale with ``set_scale``, which also
+        updates the inverse that unscaling uses.
+        """
         self._place(device)
         return self._scale.view(())
 

@@ -1,7 +1,7 @@
 """Apex-style mixed precision for PyTorch 2.x: ``import amp`` where you had ``from apex import amp``."""
 from . import multi_tensor_apply, optimizers
 from ._amp_state import _amp_state
-from ._overflow_report import NonFiniteGradientsError
+from ._overflow_report import LossScaleFloorError, NonFiniteGradientsError
 from .casting import (bfloat16_function, deactivate, disable_casts, float_function,
                       half_function, init, promote_function, register_bfloat16_function,
                       register_float_function, register_half_function, register_promote_function)
@@ -18,6 +18,6 @@ __all__ = [
     "half_function", "float_function", "promote_function", "bfloat16_function",
     "register_half_function", "register_float_function", "register_promote_function",
     "register_bfloat16_function", "LossScaler",
-    "NonFiniteGradientsError", "multi_tensor_apply", "deactivate",
+    "NonFiniteGradientsError", "LossScaleFloorError", "multi_tensor_apply", "deactivate",
     "optimizers",
 ]

@@ -10,6 +10,7 @@ nature and live there too (``handle``).
 Diagnostics go through ``logging.getLogger("amp")`` (configuration at INFO, skipped steps at
 WARNING), so applications can filter or redirect them; ``verbosity=0`` silences them.
 """
+import gc
 import logging
 import warnings
 import weakref
@@ -23,17 +24,28 @@ class AmpContext:
     """What one ``amp.initialize`` call configured: options (``Properties``) and loss scalers."""
 
     def __init__(self, properties, loss_scalers=(), verbosity=1, overflow_process_group=None,
-                 min_loss_scale=None, max_loss_scale=2.0**24):
+                 min_loss_scale=None, max_loss_scale=2.0**24, max_steps_at_scale_floor=0):
         self.properties = properties
         self.loss_scalers = list(loss_scalers)
         self.verbosity = verbosity
         self.overflow_process_group = overflow_process_group
         self.min_loss_scale = min_loss_scale
         self.max_loss_scale = max_loss_scale
+        self.max_steps_at_scale_floor = max_steps_at_scale_floor
+        # Weak references to the models and optimizers this call returned (see ``live``).
+        self._owners = []
 
     @property
     def enabled(self):
         return self.properties.enabled
+
+    def track(self, objects):
+        """Follow ``objects`` (the call's models and optimizers) weakly: the run is live while one is."""
+        self._owners = [weakref.ref(obj) for obj in objects]
+
+    @property
+    def live(self):
+        return any(ref() is not None for ref in self._owners)
 
     def loss_scaler(self, loss_id):
         """The scaler of loss ``loss_id``; an out-of-range id is an error that names ``num_losses``."""
@@ -58,6 +70,8 @@ class AmpState:
         self.context = None
         # Optimizers seen by an ``initialize(enabled=False)``: scale_loss passes their loss through.
         self.disabled_optimizers = weakref.WeakSet()
+        # Every enabled context, in the order of the initialize calls; see ``live_runs``.
+        self.runs = []
 
     def publish(self, context):
         """Make ``context`` the latest one, as Apex's global fields show it."""
@@ -68,6 +82,17 @@ class AmpState:
         self.min_loss_scale = context.min_loss_scale
         self.max_loss_scale = context.max_loss_scale
         self.overflow_process_group = context.overflow_process_group
+        if context.enabled:
+            self.runs.append(context)
+
+    def live_runs(self):
+        """The enabled contexts whose models or optimizers are still alive, oldest first."""
+        if sum(context.live for context in self.runs) > 1:
+            # An optimizer and its amp controller reference each other, so a run dropped by the
+            # user lingers until the cycle collector runs; it must not be counted as live.
+            gc.collect()
+        self.runs = [context for context in self.runs if context.live]
+        return list(self.runs)
 
 
 _amp_state = AmpState()

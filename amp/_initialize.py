@@ -154,6 +154,7 @@ def _initialize(models, optimizers, context, num_losses, cast_model_outputs, sca
             cast_forward(model, None, output_caster)
 
     context.loss_scalers = loss_scalers
+    context.track(models + optimizers)
     for optimizer in optimizers:
         _process_optimizer(optimizer, context, param_names, fp32_values, max_consecutive_skips)
 

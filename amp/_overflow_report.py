@@ -1,16 +1,22 @@
-"""Skipped-step reporting: one rate-limited reporter, and the error for overflow that never ends.
+"""Skipped-step reporting: one rate-limited reporter, and the errors for runs that stopped training.
 
 Apex printed one line per skipped step from deep inside the optimizer patch; a run that overflows
 on every step then filled the log and halved the scale forever. Here every skip is counted, the
 first few are printed, later ones only as periodic summaries, and a streak longer than
 ``max_consecutive_skips`` raises :class:`NonFiniteGradientsError` naming the culprits.
+
+Overflows that alternate with clean steps never make such a streak, yet if they come more often
+than once per ``growth_interval`` the scale only shrinks, down to its floor; below 1 the gradients
+are scaled down there until small fp16 ones flush to zero and applied steps change nothing. A
+scale held at such a floor is warned about (rate-limited), and after ``max_steps_at_scale_floor``
+steps raises :class:`LossScaleFloorError`. Both checks use only what the host already knows.
 """
 import torch
 
 from ._amp_state import _is_rank_zero
 from ._amp_state import logger as amp_logger
 
-__all__ = ["NonFiniteGradientsError", "OverflowReporter"]
+__all__ = ["LossScaleFloorError", "NonFiniteGradientsError", "OverflowReporter"]
 
 # Log the first few skips verbatim (they are normal while a dynamic scale settles), then one
 # summary line every SUMMARY_EVERY skips; at WARNING on the ``amp`` logger, from rank 0.
@@ -22,6 +28,10 @@ NAMES_SHOWN = 5
 
 class NonFiniteGradientsError(RuntimeError):
     """Raised when the gradients stayed non-finite for too many consecutive steps."""
+
+
+class LossScaleFloorError(RuntimeError):
+    """Raised when recurring overflows held the loss scale at a floor below 1 for too many steps."""
 
 
 # How the error tells an amp user to raise the limit and to reset the scale.
@@ -39,15 +49,25 @@ class OverflowReporter:
     ``remedy`` ends the error with what the caller's user can change.
     """
 
-    def __init__(self, max_consecutive_skips, verbosity=1, logger=amp_logger, remedy=AMP_REMEDY):
+    def __init__(self, max_consecutive_skips, verbosity=1, logger=amp_logger, remedy=AMP_REMEDY, *,
+                 scalers=(), max_steps_at_scale_floor=0):
         self.max_consecutive_skips = max_consecutive_skips
         self.verbosity = verbosity
         self.logger = logger
         self.remedy = remedy
         self.reported_skips = 0
+        # The loss scalers whose floor is watched (see the module's docstring), and the bound.
+        self.scalers = scalers
+        self.max_steps_at_scale_floor = max_steps_at_scale_floor
+        self.steps = 0
+        self.steps_at_floor = 0
 
     def report(self, total_skips, consecutive_skips, describe_skip, find_culprits):
-        """Report skips up to ``total_skips``; the callables run only when their text is needed."""
+        """Report skips up to ``total_skips``; the callables run only when their text is needed.
+
+        Called once per step whose counts the host knows.
+        """
+        self._watch_floor(total_skips)
         if self.max_consecutive_skips and consecutive_skips > self.max_consecutive_skips:
             raise NonFiniteGradientsError(self._streak_message(consecutive_skips, find_culprits()))
         previous, self.reported_skips = self.reported_skips, total_skips
@@ -60,6 +80,38 @@ class OverflowReporter:
                           f"are summarised every {SUMMARY_EVERY} skipped steps.")
         elif total_skips // SUMMARY_EVERY > previous // SUMMARY_EVERY:
             self._log(f"Gradient overflow: {total_skips} steps skipped so far. {describe_skip()}")
+
+    def _watch_floor(self, total_skips):
+        self.steps += 1
+        stuck = [(loss_id, scaler) for loss_id, scaler in enumerate(self.scalers) if scaler.stuck_at_floor()]
+        self.steps_at_floor = self.steps_at_floor + 1 if stuck else 0
+        if not stuck:
+            return
+        bound = self.max_steps_at_scale_floor
+        if bound and self.steps_at_floor > bound:
+            raise LossScaleFloorError(self._floor_message(stuck, total_skips))
+        if self.steps_at_floor % SUMMARY_EVERY == 1:
+            self._log(self._floor_message(stuck, total_skips))
+
+    def _floor_message(self, stuck, total_skips):
+        loss_id, scaler = stuck[0]
+        floor = scaler._scale_range[0]
+        limit = (f"after max_steps_at_scale_floor={self.max_steps_at_scale_floor} such steps amp "
+                 "raises LossScaleFloorError" if self.max_steps_at_scale_floor
+                 else "max_steps_at_scale_floor=0, so amp does not stop the run")
+        return (
+            f"The loss scale of loss {loss_id} has sat at its floor min_loss_scale={floor!r} for "
+            f"{self.steps_at_floor} step(s), while {total_skips} of {self.steps} steps "
+            f"({100.0 * total_skips / self.steps:.1f}%) were skipped for overflow: overflows recur "
+            f"more often than once per growth_interval={scaler._scale_seq_len} clean steps, so the "
+            "scale cannot grow, and at this scale small fp16 gradients flush to zero and applied "
+            "steps may not change the weights at all. Find what overflows (the skip warnings name "
+            "it; an inf/NaN in the forward pass or the loss), tolerate isolated overflows with "
+            "hysteresis=2 or more, let the scale recover between them with a smaller "
+            "growth_interval, or train in bfloat16 (opt_level O4/O5); then reset the scale, e.g. "
+            f"amp.loss_scaler({loss_id}, optimizer=optimizer).set_scale(2.**16). ({limit}; "
+            "0 disables the check.)"
+        )
 
     def _log(self, message):
         if self.verbosity > 0 and _is_rank_zero():

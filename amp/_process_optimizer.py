@@ -187,7 +187,8 @@ class OptimizerController:
         # loss_id -> overflow flag (device tensor) of the backward passes since the last step.
         self.found_inf_by_loss = {}
         self.skips = SkipCounts(_param_device(optimizer))
-        self.reporter = OverflowReporter(max_consecutive_skips, context.verbosity)
+        self.reporter = OverflowReporter(max_consecutive_skips, context.verbosity, scalers=context.loss_scalers,
+                                         max_steps_at_scale_floor=context.max_steps_at_scale_floor)
         # Exact host counts, kept by the path that reads the flag anyway.
         self.host_total_skips = 0
         self.host_consecutive_skips = 0

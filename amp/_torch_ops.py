@@ -36,6 +36,7 @@ ops set it when the fp32 sum of squares is not finite.
 """
 import collections
 import itertools
+import math
 import operator
 
 import torch
@@ -54,6 +55,7 @@ __all__ = [
 ]
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_FP32_MAX = torch.finfo(torch.float32).max
 
 
 def _is_dense(t):
@@ -388,7 +390,8 @@ def _check_state_tensor(name, t, dtype, device):
 
 
 def update_scale_hysteresis(current_scale, growth_tracker, hysteresis_tracker, found_inf,
-                            growth_factor, backoff_factor, growth_interval, hysteresis):
+                            growth_factor, backoff_factor, growth_interval, hysteresis,
+                            min_scale=None, max_scale=None, inv_scale=None, should_skip=None):
     """Update the loss scale in place, on its device, from ``found_inf``; returns ``current_scale``.
 
     An overflow (``found_inf > 0``) decrements ``hysteresis_tracker``; while it stays above zero the
@@ -397,6 +400,11 @@ def update_scale_hysteresis(current_scale, growth_tracker, hysteresis_tracker, f
     ``growth_tracker``: reaching ``growth_interval`` multiplies the scale by ``growth_factor`` (only if
     the result is finite) and restarts the count; either way ``hysteresis_tracker`` is reset to
     ``hysteresis``. Never synchronises with the host.
+
+    The optional trailing arguments (not Apex's) let one call do a whole update of amp's scaler:
+    the new scale is clamped into ``[min_scale, max_scale]`` (as ``torch.clamp_`` does, either may
+    be None); ``inv_scale`` (1-element float32) receives ``1 / scale`` divided in fp64 and rounded
+    to fp32; ``should_skip`` (1-element float32) receives 1.0 if ``found_inf`` was set, else 0.0.
     """
     device = current_scale.device
     _check_state_tensor("current_scale", current_scale, torch.float32, device)
@@ -409,8 +417,19 @@ def update_scale_hysteresis(current_scale, growth_tracker, hysteresis_tracker, f
                 f"update_scale_hysteresis: {name} must fit in int32 (the trackers' dtype), "
                 f"got {value}"
             )
-    for name, t in (("current_scale", current_scale), ("growth_tracker", growth_tracker),
-                    ("hysteresis_tracker", hysteresis_tracker)):
+    for name, value in (("min_scale", min_scale), ("max_scale", max_scale)):
+        # A bound is rounded to fp32 by the clamp, so it must be one fp32 can hold.
+        if value is not None and not (abs(value) == math.inf or abs(value) <= _FP32_MAX):
+            raise ValueError(
+                f"update_scale_hysteresis: {name} must be None, inf or a number within fp32's "
+                f"range, got {value}"
+            )
+    outputs = [("inv_scale", inv_scale), ("should_skip", should_skip)]
+    outputs = [(name, t) for name, t in outputs if t is not None]
+    for name, t in outputs:
+        _check_state_tensor(name, t, torch.float32, device)
+    for name, t in [("current_scale", current_scale), ("growth_tracker", growth_tracker),
+                    ("hysteresis_tracker", hysteresis_tracker)] + outputs:
         _check_writable("update_scale_hysteresis", t, name)
     with torch.no_grad():
         scale = current_scale.reshape(())
@@ -424,9 +443,15 @@ def update_scale_hysteresis(current_scale, growth_tracker, hysteresis_tracker, f
         shrunk = (scale.double() * backoff_factor).float()
         new_scale = torch.where(back_off, shrunk, torch.where(grow & grown.isfinite(), grown, scale))
         new_growth = torch.where(overflow | grow, 0, successes)
+        if min_scale is not None or max_scale is not None:
+            new_scale = new_scale.clamp(min_scale, max_scale)
+        if should_skip is not None:
+            should_skip.copy_(overflow)
         current_scale.copy_(new_scale)
         growth_tracker.copy_(new_growth)
         hysteresis_tracker.copy_(hysteresis_left)
+        if inv_scale is not None:
+            inv_scale.copy_(new_scale.double().reciprocal())
     return current_scale
 
 

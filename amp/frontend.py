@@ -2,13 +2,12 @@
 
 The opt-level table below is the single source of truth for what each preset means.
 """
-import copy
-from collections import OrderedDict
 from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
 
+from . import _checkpoint
 from ._amp_state import AmpContext, _amp_state, maybe_print, warn_or_err
 from ._initialize import _initialize
 
@@ -153,7 +152,8 @@ def _check_process_group(group):
 
 
 def _check_arguments(enabled, opt_level, verbosity, num_losses, cast_model_outputs, growth_interval,
-                     hysteresis, max_consecutive_skips, overflow_process_group):
+                     hysteresis, max_consecutive_skips, overflow_process_group,
+                     max_steps_at_scale_floor):
     """Every check of initialize's own arguments that needs no model or optimizer."""
     _check_bool("enabled", enabled)
     if isinstance(verbosity, bool) or verbosity not in (0, 1, 2):
@@ -168,10 +168,11 @@ def _check_arguments(enabled, opt_level, verbosity, num_losses, cast_model_outpu
     _check_positive_int("num_losses", num_losses)
     _check_positive_int("growth_interval", growth_interval)
     _check_positive_int("hysteresis", hysteresis)
-    if isinstance(max_consecutive_skips, bool) or not isinstance(max_consecutive_skips, int) \
-            or max_consecutive_skips < 0:
-        raise ValueError("max_consecutive_skips must be a non-negative integer (0 disables the "
-                         f"check), got {max_consecutive_skips!r}.")
+    for name, value in (("max_consecutive_skips", max_consecutive_skips),
+                        ("max_steps_at_scale_floor", max_steps_at_scale_floor)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be a non-negative integer (0 disables the check), "
+                             f"got {value!r}.")
     if cast_model_outputs is not None and (not isinstance(cast_model_outputs, torch.dtype)
                                            or not cast_model_outputs.is_floating_point):
         raise TypeError("cast_model_outputs must be a floating-point torch.dtype (e.g. "
@@ -197,7 +198,7 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
                loss_scale=None, cast_model_outputs=None, num_losses=1, verbosity=1,
                min_loss_scale=None, max_loss_scale=2.0**24, *, growth_factor=2.0,
                backoff_factor=None, growth_interval=2000, hysteresis=1,
-               max_consecutive_skips=50, overflow_process_group=None):
+               max_consecutive_skips=50, overflow_process_group=None, max_steps_at_scale_floor=100):
     """Prepare models and optimizers for mixed-precision training at the chosen ``opt_level``.
 
     Usage (Apex's three lines)::
@@ -222,6 +223,11 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
             Every overflowing step is still skipped.
         max_consecutive_skips (int): raise :class:`amp.NonFiniteGradientsError` naming the
             offending parameters after this many skipped steps in a row (0 disables the check).
+        max_steps_at_scale_floor (int): raise :class:`amp.LossScaleFloorError` after this many
+            steps with a dynamic scale held at a floor below 1 (``min_loss_scale``, 2**-24 by
+            default) by overflows that recur too often for it to grow; there small fp16 gradients
+            flush to zero, so steps stop training. A rate-limited warning comes first (0 disables
+            the error, not the warning).
         overflow_process_group: a ``torch.distributed`` group over which the overflow flag is
             all-reduced (MAX) so every rank makes the same skip decision (for sharded or
             model-parallel training; DDP's gradient all-reduce already agrees on its own).
@@ -236,7 +242,8 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
     (``amp._amp_state`` shows the latest call's).
     """
     _check_arguments(enabled, opt_level, verbosity, num_losses, cast_model_outputs, growth_interval,
-                     hysteresis, max_consecutive_skips, overflow_process_group)
+                     hysteresis, max_consecutive_skips, overflow_process_group,
+                     max_steps_at_scale_floor)
     if not enabled:
         return _initialize_disabled(models, optimizers, verbosity)
 
@@ -249,7 +256,8 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
                           backoff_factor=backoff_factor, hysteresis=hysteresis)
     context = AmpContext(properties, verbosity=verbosity,
                          overflow_process_group=overflow_process_group,
-                         min_loss_scale=min_loss_scale, max_loss_scale=max_loss_scale)
+                         min_loss_scale=min_loss_scale, max_loss_scale=max_loss_scale,
+                         max_steps_at_scale_floor=max_steps_at_scale_floor)
     result = _initialize(models, optimizers, context, num_losses, cast_model_outputs,
                          scaler_options, max_consecutive_skips)
     level = OPT_LEVELS[opt_level]
@@ -273,37 +281,24 @@ def _initialize_disabled(models, optimizers, verbosity):
     return models if optimizers is None else (models, optimizers)
 
 
-def state_dict(destination=None):
-    """The loss scalers' state: ``{"loss_scaler0": {...numbers...}, ...}`` (weights_only safe)."""
-    if destination is None:
-        destination = OrderedDict()
-    for idx, scaler in enumerate(_amp_state.loss_scalers):
-        destination[f"loss_scaler{idx}"] = scaler.state_dict()
-    return destination
+def state_dict(destination=None, optimizer=None):
+    """The loss scalers' state as plain numbers (loadable with ``torch.load(weights_only=True)``).
+
+    With one live ``amp.initialize`` run (one whose models or optimizers are still alive) this is
+    Apex's ``{"loss_scaler0": {...}, ...}``; with several, ``{"run0": {...}, "run1": ...}`` holds
+    each run's dict in the order of the ``initialize`` calls. ``optimizer`` picks one run.
+    """
+    return _checkpoint.state_dict(destination, None if optimizer is None else _stash(optimizer).context)
 
 
-def load_state_dict(state_dict):
-    """Restore the loss scalers from :func:`state_dict`; everything is validated before anything changes."""
-    scalers = _amp_state.loss_scalers
-    if not scalers:
-        raise RuntimeError("amp.load_state_dict() needs the loss scalers that amp.initialize creates: "
-                           "call amp.initialize first, then load the checkpoint.")
-    if not isinstance(state_dict, dict):
-        raise TypeError(f"amp.load_state_dict expects the dict from amp.state_dict(), got "
-                        f"{type(state_dict).__name__}.")
-    expected = {f"loss_scaler{idx}" for idx in range(len(scalers))}
-    unexpected = sorted(set(state_dict) - expected)
-    missing = sorted(expected - set(state_dict))
-    if unexpected or missing:
-        raise RuntimeError(
-            f"Error(s) in loading amp state_dict: unexpected keys {unexpected}, missing keys "
-            f"{missing}. The checkpoint holds {len(state_dict)} loss scaler(s) and amp.initialize was "
-            f"called with num_losses={len(scalers)}; use the same num_losses as the saved run.")
-    # Dry run on copies first, so one bad entry leaves every scaler untouched.
-    for idx, scaler in enumerate(scalers):
-        copy.deepcopy(scaler).load_state_dict(state_dict[f"loss_scaler{idx}"])
-    for idx, scaler in enumerate(scalers):
-        scaler.load_state_dict(state_dict[f"loss_scaler{idx}"])
+def load_state_dict(state_dict, optimizer=None):
+    """Restore the loss scalers from :func:`state_dict`; everything is validated before anything changes.
+
+    Saved runs go to the live runs in ``initialize`` order; a checkpoint whose runs, ``num_losses``
+    or static/dynamic scalers do not match them is refused. ``optimizer`` picks one run, which then
+    loads one run's dict (the whole checkpoint of a single run, or one ``"runN"`` entry).
+    """
+    _checkpoint.load_state_dict(state_dict, None if optimizer is None else _stash(optimizer).context)
 
 
 def master_params(optimizer):
@@ -329,7 +324,7 @@ def loss_scale(loss_id=0, optimizer=None):
     ``optimizer`` picks the ``amp.initialize`` call whose scaler is read (default: the latest).
     Change a scale with ``LossScaler.set_scale`` on the same scaler (``loss_scaler(...)``).
     """
-    return loss_scaler(loss_id, optimizer).loss_scale()
+    return _loss_scaler("loss_scale", loss_id, optimizer).loss_scale()
 
 
 def loss_scale_tensor(loss_id=0, optimizer=None):
@@ -337,7 +332,7 @@ def loss_scale_tensor(loss_id=0, optimizer=None):
 
     It is a copy, taken on the device where the scale lives; it does not follow later updates.
     """
-    return loss_scaler(loss_id, optimizer).scale_tensor_copy()
+    return _loss_scaler("loss_scale_tensor", loss_id, optimizer).scale_tensor_copy()
 
 
 def loss_scaler(loss_id=0, optimizer=None):
@@ -345,12 +340,17 @@ def loss_scaler(loss_id=0, optimizer=None):
 
     ``optimizer`` picks the ``amp.initialize`` call whose scaler is returned (default: the latest).
     """
+    return _loss_scaler("loss_scaler", loss_id, optimizer)
+
+
+def _loss_scaler(caller, loss_id, optimizer):
+    # ``caller``: the public function the user called, for the error message.
     if optimizer is not None:
         context = _stash(optimizer).context
     elif _amp_state.context is not None and _amp_state.context.enabled:
         context = _amp_state.context
     else:
-        raise RuntimeError("amp.loss_scale() needs an enabled amp.initialize call first.")
+        raise RuntimeError(f"amp.{caller}() needs an enabled amp.initialize call first.")
     return context.loss_scaler(loss_id)
 
 

@@ -156,11 +156,16 @@ def multi_tensor_unscale_l2norm(chunk_size, noop_flag, tensor_lists, inv_scale, 
 
 
 def update_scale_hysteresis(current_scale, growth_tracker, hysteresis_tracker, found_inf,
-                            growth_factor, backoff_factor, growth_interval, hysteresis):
-    """Device-side loss-scale update with hysteresis (see ``amp._torch_ops``); returns the scale."""
+                            growth_factor, backoff_factor, growth_interval, hysteresis,
+                            min_scale=None, max_scale=None, inv_scale=None, should_skip=None):
+    """Device-side loss-scale update with hysteresis (see ``amp._torch_ops``); returns the scale.
+
+    The optional clamp and outputs make it amp's whole scale update in one call.
+    """
     op = _implementation("update_scale_hysteresis", current_scale.device)
     return op(current_scale, growth_tracker, hysteresis_tracker, found_inf,
-              growth_factor, backoff_factor, growth_interval, hysteresis)
+              growth_factor, backoff_factor, growth_interval, hysteresis,
+              min_scale, max_scale, inv_scale, should_skip)
 
 
 def multi_tensor_sgd(chunk_size, noop_flag, tensor_lists, wd, momentum, dampening, lr, nesterov,

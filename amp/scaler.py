@@ -106,6 +106,9 @@ class _LaggedHostScale:
         self.buffer = torch.zeros(1, dtype=torch.float32, pin_memory=True) if on_cuda else None
         self.copied = torch.cuda.Event() if on_cuda else None
         self.pending_at = None
+        # What poll reads: a numpy view, made once, of the buffer (CUDA) or of the scale (CPU).
+        self.source = self.buffer
+        self.view = self.buffer.numpy() if on_cuda else None
 
     def set(self, value, updates):
         """The host wrote ``value`` itself: known exactly, and any copy in flight is stale."""
@@ -113,9 +116,9 @@ class _LaggedHostScale:
 
     def enqueue(self, scale, updates):
         if self.copied is None:
-            self.source = scale
+            if scale is not self.source:
+                self.source, self.view = scale, scale.numpy()
         else:
-            self.source = self.buffer
             self.buffer.copy_(scale, non_blocking=True)
             # The copy runs on the scale's device's stream, which need not be the current device's.
             self.copied.record(torch.cuda.current_stream(scale.device))
@@ -125,7 +128,7 @@ class _LaggedHostScale:
         """Take in the copy in flight if it has landed; returns its value, or None."""
         if self.pending_at is None or (self.copied is not None and not self.copied.query()):
             return None
-        self.set(float(self.source.numpy()[0]), self.pending_at)
+        self.set(float(self.view[0]), self.pending_at)
         return self.value
 
     def lower_bound(self, updates, backoff_factor, floor):
@@ -268,9 +271,14 @@ class LossScaler:
         self._updates = 0
         self._host_scale = _LaggedHostScale(initial)
         self._warned_low_scale = False
+        # Whether the host last saw the scale sitting at a floor below 1 (see ``stuck_at_floor``).
+        self._at_floor = False
         # Created on the CPU; _place moves it to the device where it is used (normally once).
         self._device = None
         self._scale = torch.full((1,), initial, dtype=torch.float32)
+        # 1 / scale, divided in fp64 and rounded to fp32 (see _ratio), kept beside the scale by
+        # every write so that unscaling needs no op to compute it.
+        self._inv_scale = torch.full((1,), 1.0 / _as_fp32(initial), dtype=torch.float32)
         self._growth_tracker = torch.zeros(1, dtype=torch.int32)
         self._hysteresis_tracker = torch.full((1,), hysteresis, dtype=torch.int32)
         self._overflow_buf = torch.zeros(1, dtype=torch.float32)
@@ -280,6 +288,7 @@ class LossScaler:
         device = torch.device(device)
         if device != self._device:
             self._scale = self._scale.to(device)
+            self._inv_scale = self._inv_scale.to(device)
             self._growth_tracker = self._growth_tracker.to(device)
             self._hysteresis_tracker = self._hysteresis_tracker.to(device)
             self._overflow_buf = self._overflow_buf.to(device)
@@ -294,6 +303,7 @@ class LossScaler:
         value = self._scale.item()
         self._host_scale.set(value, self._updates)
         self._warn_if_low(value)
+        self._note_host_scale(value)
         return value
 
     def get_scale(self):
@@ -318,8 +328,25 @@ class LossScaler:
 
     def _write_scale(self, value):
         self._scale.fill_(value)
+        self._inv_scale.fill_(1.0 / _as_fp32(value))
         self._static_scale = value
         self._host_scale.set(value, self._updates)
+        self._note_host_scale(value)
+
+    def _note_host_scale(self, value):
+        """Take in a value of the scale that the host has learnt (without waiting for the device)."""
+        floor = self._scale_range[0]
+        # The device clamps to the floor rounded to fp32 (a floor of 0.1 is 0.10000000149...).
+        self._at_floor = self.dynamic and floor < UNDERFLOW_WARNING_SCALE and value <= _as_fp32(floor)
+
+    def stuck_at_floor(self):
+        """Whether the scale, as the host last learnt it, sits at its floor and that floor is below 1.
+
+        Read without a sync (on CUDA the host learns the scale a step or so late). A scale held
+        there by recurring overflows scales the gradients down so far that small fp16 ones flush
+        to zero, and applied steps stop changing the weights.
+        """
+        return self._at_floor
 
     def _warn_if_low(self, value):
         if value < UNDERFLOW_WARNING_SCALE and not self._warned_low_scale:
@@ -349,7 +376,11 @@ class LossScaler:
         self._growth_tracker.fill_(int(value))
 
     def scale_tensor(self, device):
-        """The scale as a 0-dim float32 tensor on ``device`` (where the state then lives)."""
+        """The scale as a 0-dim float32 tensor on ``device`` (where the state then lives).
+
+        It is the scaler's own state, to be read: change the scale with ``set_scale``, which also
+        updates the inverse that unscaling uses.
+        """
         self._place(device)
         return self._scale.view(())
 
@@ -385,12 +416,16 @@ class LossScaler:
 
     def _inverse_scale_bound(self):
         """An upper bound on 1/scale known on the host without a sync."""
-        value = self._host_scale.poll()
-        if value is not None:
-            self._warn_if_low(value)
+        self._poll_host_scale()
         floor = self._scale_range[0]
         # Rounding is monotonic: a scale at or above the bound has an fp32 inverse at or below this.
         return _as_fp32(1.0 / self._host_scale.lower_bound(self._updates, self._backoff_factor, floor))
+
+    def _poll_host_scale(self):
+        value = self._host_scale.poll()
+        if value is not None:
+            self._warn_if_low(value)
+            self._note_host_scale(value)
 
     def _check_outputs(self, inputs, factor_bound, outputs):
         """Flag non-finite ``outputs`` if ``factor * inputs`` may overflow them (see ``_may_overflow``)."""
@@ -410,7 +445,7 @@ class LossScaler:
             if not isinstance(value, torch.Tensor) and float(value) == 1.0:
                 return
         self._place(model_grads[0].device)
-        inv_scale = self._ratio(1.0, self._scale if scale_override is None else scale_override)
+        inv_scale = self._inv_scale if scale_override is None else self._ratio(1.0, scale_override)
         multi_tensor_applier(multi_tensor_scale, self._check_buffer(), [model_grads, master_grads], inv_scale)
         if self.dynamic:
             bound = self._inverse_scale_bound() if scale_override is None else _factor_bound(1.0, scale_override)
@@ -430,13 +465,15 @@ class LossScaler:
         self._place(model_grads[0].device)
         if scale_override is None:
             grads_have_scale, stashed_have_scale, out_scale = self._scale, 1.0, 1.0
+            model_factor = self._inv_scale
         else:
             grads_have_scale, stashed_have_scale, out_scale = scale_override
+            model_factor = self._ratio(out_scale, grads_have_scale)
         multi_tensor_applier(
             multi_tensor_axpby,
             self._check_buffer(),
             [model_grads, stashed_master_grads, master_grads],
-            self._ratio(out_scale, grads_have_scale),
+            model_factor,
             self._ratio(out_scale, stashed_have_scale),
             0,
         )
@@ -453,7 +490,10 @@ class LossScaler:
         """
         if not self.dynamic:
             return torch.zeros(1, dtype=torch.float32, device=self._scale.device)
-        should_skip = (self._overflow_buf > 0).to(torch.float32)
+        should_skip = torch.empty(1, dtype=torch.float32, device=self._scale.device)
+        # One call (one kernel) does it all: the step, the clamp into the range (the host keeps
+        # the scale within it, so clamping what the update did suffices), 1/scale for the next
+        # unscale, and the skip decision.
         update_scale_hysteresis(
             self._scale,
             self._growth_tracker,
@@ -463,11 +503,13 @@ class LossScaler:
             self._backoff_factor,
             self._scale_seq_len,
             self._hysteresis,
+            *self._scale_range,
+            self._inv_scale,
+            should_skip,
         )
-        # The host keeps the scale within the range, so clamping what the update did suffices.
-        self._scale.clamp_(*self._scale_range)
         self._updates += 1
         self._host_scale.enqueue(self._scale, self._updates)
+        self._poll_host_scale()
         return should_skip
 
     def update_scale(self):
@@ -519,8 +561,9 @@ class LossScaler:
         # A static scaler counts without bound (as Apex's did); a dynamic one restarts at the interval.
         most = _INT32.max if not self.dynamic else self._scale_seq_len - 1
         _require(_is_int(unskipped) and 0 <= unskipped <= most, where, "unskipped",
-                 f"an int in [0, {most}] (clean steps since the last growth, below this scaler's growth "
-                 "interval)", unskipped)
+                 f"an int in [0, {most}] (clean steps since the last growth, below this scaler's "
+                 f"growth_interval={self._scale_seq_len}; resume with the saved run's growth_interval)",
+                 unskipped)
         # The tracker counts down from hysteresis, one per consecutive overflow.
         _require(_is_int(hysteresis_tracker) and _INT32.min <= hysteresis_tracker <= self._hysteresis, where,
                  "hysteresis_tracker", f"an int in [{_INT32.min}, {self._hysteresis}] (at most this scaler's "

@@ -88,8 +88,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("bias_correction"), py::arg("weight_decay"), py::arg("inv_scale") = 1.0,
         release());
   m.def("update_scale_hysteresis", &amp_C::update_scale_hysteresis,
-        "device-side dynamic loss-scale update with hysteresis; returns current_scale",
-        release());
+        "device-side dynamic loss-scale update with hysteresis; returns current_scale. Optional: "
+        "clamp the scale into [min_scale, max_scale]; write 1/scale into inv_scale and the skip "
+        "decision (1.0 or 0.0) into should_skip",
+        py::arg("current_scale"), py::arg("growth_tracker"), py::arg("hysteresis_tracker"),
+        py::arg("found_inf"), py::arg("growth_factor"), py::arg("backoff_factor"),
+        py::arg("growth_interval"), py::arg("hysteresis"), py::arg("min_scale") = py::none(),
+        py::arg("max_scale") = py::none(), py::arg("inv_scale") = py::none(),
+        py::arg("should_skip") = py::none(), release());
   m.def("cuda_available", &amp_C::cuda_available,
         "whether amp_C has CUDA kernels built against a CUDA PyTorch and a GPU is present");
 }

@@ -46,7 +46,8 @@ AMP_HOST_DEVICE inline bool flag_is_set(Flag flag) {
 }
 
 // One step of Apex's dynamic loss-scale update with hysteresis. As in Apex, the fp32 scale is
-// multiplied by a double factor and the product rounded once to fp32.
+// multiplied by a double factor and the product rounded once to fp32. `extras` adds amp's clamp
+// and outputs (ScaleUpdateExtras), so that amp's scaler needs no other op per update.
 AMP_HOST_DEVICE inline void update_scale_hysteresis_step(float* current_scale,
                                                          int32_t* growth_tracker,
                                                          int32_t* hysteresis_tracker,
@@ -54,15 +55,16 @@ AMP_HOST_DEVICE inline void update_scale_hysteresis_step(float* current_scale,
                                                          double growth_factor,
                                                          double backoff_factor,
                                                          int32_t growth_interval,
-                                                         int32_t hysteresis) {
-  if (*found_inf > 0.f) {
+                                                         int32_t hysteresis,
+                                                         ScaleUpdateExtras extras) {
+  const bool overflow = *found_inf > 0.f;
+  if (extras.should_skip) *extras.should_skip = overflow ? 1.f : 0.f;
+  if (overflow) {
     // Hysteresis: tolerate this overflow without backing off while the tracker stays positive.
     *hysteresis_tracker -= 1;
-    if (*hysteresis_tracker > 0) {
-      *growth_tracker = 0;
-      return;
+    if (*hysteresis_tracker <= 0) {
+      *current_scale = static_cast<float>(static_cast<double>(*current_scale) * backoff_factor);
     }
-    *current_scale = static_cast<float>(static_cast<double>(*current_scale) * backoff_factor);
     *growth_tracker = 0;
   } else {
     const int32_t successful = *growth_tracker + 1;
@@ -74,6 +76,14 @@ AMP_HOST_DEVICE inline void update_scale_hysteresis_step(float* current_scale,
       *growth_tracker = successful;
     }
     *hysteresis_tracker = hysteresis;
+  }
+  if (extras.clamp) {
+    // torch.clamp's order (the upper bound wins if the bounds cross); a NaN scale stays NaN.
+    if (*current_scale < extras.min_scale) *current_scale = extras.min_scale;
+    if (*current_scale > extras.max_scale) *current_scale = extras.max_scale;
+  }
+  if (extras.inv_scale) {
+    *extras.inv_scale = static_cast<float>(1.0 / static_cast<double>(*current_scale));
   }
 }
 

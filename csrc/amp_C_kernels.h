@@ -33,6 +33,16 @@ struct Flag {
   DType dtype;
 };
 
+// What amp's own loss scaler asks of update_scale_hysteresis beyond Apex's step, so that one
+// launch does the whole update (every field optional; all off for Apex's signature).
+struct ScaleUpdateExtras {
+  bool clamp;          // keep the scale within [min_scale, max_scale] after the step
+  float min_scale;
+  float max_scale;
+  float* inv_scale;    // nullptr, or [1]: 1 / the new scale, divided in double, rounded to fp32
+  float* should_skip;  // nullptr, or [1]: 1 if found_inf was set (this step is skipped), else 0
+};
+
 // A float argument given either by value or as a 1-element float32 tensor that the kernel reads
 // itself (the sync-free path keeps the loss scale on the device). `ptr` wins when non-null.
 struct Scalar {
@@ -100,7 +110,8 @@ void multi_tensor_adam_cpu(int64_t chunk_size, Flag flag, const TensorLists& lis
 void update_scale_hysteresis_cpu(float* current_scale, int32_t* growth_tracker,
                                  int32_t* hysteresis_tracker, const float* found_inf,
                                  double growth_factor, double backoff_factor,
-                                 int32_t growth_interval, int32_t hysteresis);
+                                 int32_t growth_interval, int32_t hysteresis,
+                                 ScaleUpdateExtras extras);
 
 // CUDA launchers (csrc/*.cu); `stream` is the caller's cudaStream_t, all pointers are device
 // pointers on the stream's device. Errors are thrown as std::runtime_error.
@@ -117,6 +128,7 @@ void multi_tensor_adam_cuda(int64_t chunk_size, Flag flag, const TensorLists& li
 void update_scale_hysteresis_cuda(float* current_scale, int32_t* growth_tracker,
                                   int32_t* hysteresis_tracker, const float* found_inf,
                                   double growth_factor, double backoff_factor,
-                                  int32_t growth_interval, int32_t hysteresis, void* stream);
+                                  int32_t growth_interval, int32_t hysteresis,
+                                  ScaleUpdateExtras extras, void* stream);
 
 }  // namespace amp_C

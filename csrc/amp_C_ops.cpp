@@ -511,7 +511,10 @@ at::Tensor update_scale_hysteresis(const at::Tensor& current_scale,
                                    const at::Tensor& hysteresis_tracker,
                                    const at::Tensor& found_inf, double growth_factor,
                                    double backoff_factor, int64_t growth_interval,
-                                   int64_t hysteresis) {
+                                   int64_t hysteresis, std::optional<double> min_scale,
+                                   std::optional<double> max_scale,
+                                   const std::optional<at::Tensor>& inv_scale,
+                                   const std::optional<at::Tensor>& should_skip) {
   const char* op = "update_scale_hysteresis";
   const auto check = [&](const at::Tensor& t, at::ScalarType dtype, const char* name) {
     TORCH_CHECK_VALUE(t.numel() == 1 && t.scalar_type() == dtype, op, ": ", name, " must be a 1-element ",
@@ -530,9 +533,29 @@ at::Tensor update_scale_hysteresis(const at::Tensor& current_scale,
   check(found_inf, at::kFloat, "found_inf");
   check_int32(growth_interval, "growth_interval");
   check_int32(hysteresis, "hysteresis");
+  // A bound is rounded to fp32 as torch.clamp rounds it, so it must be one fp32 can hold.
+  const auto check_bound = [&](std::optional<double> value, const char* name) {
+    TORCH_CHECK_VALUE(!value || std::isinf(*value) || std::fabs(*value) <= FLT_MAX, op, ": ", name,
+                      " must be None, inf or a number within fp32's range, got ", *value);
+  };
+  check_bound(min_scale, "min_scale");
+  check_bound(max_scale, "max_scale");
   check_writable(current_scale, op, "current_scale");
   check_writable(growth_tracker, op, "growth_tracker");
   check_writable(hysteresis_tracker, op, "hysteresis_tracker");
+  std::vector<at::Tensor> written = {current_scale, growth_tracker, hysteresis_tracker};
+  const auto output = [&](const std::optional<at::Tensor>& t, const char* name) -> float* {
+    if (!t) return nullptr;
+    check(*t, at::kFloat, name);
+    check_writable(*t, op, name);
+    written.push_back(*t);
+    return t->data_ptr<float>();
+  };
+  // Braced initialisers run left to right: the outputs are checked in argument order.
+  const ScaleUpdateExtras extras{min_scale.has_value() || max_scale.has_value(),
+                                 static_cast<float>(min_scale.value_or(-INFINITY)),
+                                 static_cast<float>(max_scale.value_or(INFINITY)),
+                                 output(inv_scale, "inv_scale"), output(should_skip, "should_skip")};
   float* scale = current_scale.data_ptr<float>();
   int32_t* growth = growth_tracker.data_ptr<int32_t>();
   int32_t* hyst = hysteresis_tracker.data_ptr<int32_t>();
@@ -543,13 +566,13 @@ at::Tensor update_scale_hysteresis(const at::Tensor& current_scale,
   const auto h = static_cast<int32_t>(hysteresis);
   on_device(
       current_scale.device(), op,
-      [&] { update_scale_hysteresis_cpu(scale, growth, hyst, inf, gf, bf, gi, h); },
+      [&] { update_scale_hysteresis_cpu(scale, growth, hyst, inf, gf, bf, gi, h, extras); },
       [&](void* stream) {
 #if AMP_CUDA_ENABLED
-        update_scale_hysteresis_cuda(scale, growth, hyst, inf, gf, bf, gi, h, stream);
+        update_scale_hysteresis_cuda(scale, growth, hyst, inf, gf, bf, gi, h, extras, stream);
 #endif
       });
-  bump_versions({current_scale, growth_tracker, hysteresis_tracker});
+  bump_versions(written);
   return current_scale;
 }
 

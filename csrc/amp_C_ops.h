@@ -55,7 +55,10 @@ at::Tensor update_scale_hysteresis(const at::Tensor& current_scale,
                                    const at::Tensor& hysteresis_tracker,
                                    const at::Tensor& found_inf, double growth_factor,
                                    double backoff_factor, int64_t growth_interval,
-                                   int64_t hysteresis);
+                                   int64_t hysteresis, std::optional<double> min_scale,
+                                   std::optional<double> max_scale,
+                                   const std::optional<at::Tensor>& inv_scale,
+                                   const std::optional<at::Tensor>& should_skip);
 
 // True when amp_C holds the CUDA kernels, was built against a CUDA PyTorch and a GPU is present.
 bool cuda_available();

@@ -8,9 +8,10 @@ namespace {
 __global__ void update_scale_hysteresis_kernel(float* current_scale, int32_t* growth_tracker,
                                                int32_t* hysteresis_tracker, const float* found_inf,
                                                double growth_factor, double backoff_factor,
-                                               int32_t growth_interval, int32_t hysteresis) {
+                                               int32_t growth_interval, int32_t hysteresis,
+                                               ScaleUpdateExtras extras) {
   update_scale_hysteresis_step(current_scale, growth_tracker, hysteresis_tracker, found_inf,
-                               growth_factor, backoff_factor, growth_interval, hysteresis);
+                               growth_factor, backoff_factor, growth_interval, hysteresis, extras);
 }
 
 }  // namespace
@@ -18,10 +19,11 @@ __global__ void update_scale_hysteresis_kernel(float* current_scale, int32_t* gr
 void update_scale_hysteresis_cuda(float* current_scale, int32_t* growth_tracker,
                                   int32_t* hysteresis_tracker, const float* found_inf,
                                   double growth_factor, double backoff_factor,
-                                  int32_t growth_interval, int32_t hysteresis, void* stream) {
+                                  int32_t growth_interval, int32_t hysteresis,
+                                  ScaleUpdateExtras extras, void* stream) {
   update_scale_hysteresis_kernel<<<1, 1, 0, static_cast<cudaStream_t>(stream)>>>(
       current_scale, growth_tracker, hysteresis_tracker, found_inf, growth_factor, backoff_factor,
-      growth_interval, hysteresis);
+      growth_interval, hysteresis, extras);
   check_cuda(cudaGetLastError(), "update_scale_hysteresis kernel launch");
 }
 

@@ -168,7 +168,9 @@ def checkpoint_resume(args, batches):
         uninterrupted = _train(model, optimizer, batches, range(half, args.steps))
         final_params = [p.detach().clone() for p in amp.master_params(optimizer)]
 
-        # A "new process": different initial weights, then initialize, THEN load all three.
+        # A "new process": the old run is gone (while it lives, amp.state_dict() would cover both
+        # runs); different initial weights, then initialize, THEN load all three.
+        del model, optimizer
         resumed_model, resumed_optimizer = build_with_amp(args, seed=args.seed + 1, growth_interval=7)
         checkpoint = torch.load(path, weights_only=True)  # plain tensors and numbers only
     resumed_model.load_state_dict(checkpoint["model"])

@@ -26,6 +26,7 @@ def fresh_amp():
     _amp_state.opt_properties = None
     _amp_state.context = None
     _amp_state.loss_scalers = []
+    _amp_state.runs = []
     _amp_state.verbosity = 1
     _amp_state.hard_override = False
     _amp_state.allow_incoming_model_not_fp32 = False

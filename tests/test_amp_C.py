@@ -369,6 +369,58 @@ def test_update_scale_hysteresis_matches_the_fallback_step_by_step(device, hyste
             assert torch.equal(a, b), f"step {step}"
 
 
+# amp's scaler passes its range (any doubles, e.g. 0.1, rounded to fp32 by the clamp), 1/scale and
+# the skip flag as outputs; None leaves a side unclamped, as torch.clamp_ does.
+SCALE_RANGES = [(2.0**-24, 2.0**24), (0.1, 3e5), (None, 2.0**17), (2.0**14, None), (2.0**15, 2.0**15)]
+
+
+@pytest.mark.parametrize("scale_range", SCALE_RANGES, ids=str)
+@pytest.mark.parametrize("hysteresis,growth_interval", [(1, 2), (2, 1)])
+def test_update_with_clamp_and_outputs_matches_the_fallback_step_by_step(device, scale_range, hysteresis,
+                                                                        growth_interval):
+    rng = random.Random(15)
+
+    def state():
+        return (torch.tensor([2.0**16], device=device), torch.zeros(1, dtype=torch.int32, device=device),
+                torch.tensor([hysteresis], dtype=torch.int32, device=device),
+                torch.full((1,), 7.0, device=device), torch.full((1,), 7.0, device=device))
+
+    ours, theirs = state(), state()
+    for step in range(120):
+        found_inf = torch.tensor([float(rng.random() < 0.45) * rng.choice([1.0, 3.0])], device=device)
+        args = (found_inf, 4.0, 0.3, growth_interval, hysteresis, *scale_range)
+        amp_C.update_scale_hysteresis(*ours[:3], *args, inv_scale=ours[3], should_skip=ours[4])
+        _torch_ops.update_scale_hysteresis(*theirs[:3], *args, inv_scale=theirs[3], should_skip=theirs[4])
+        for a, b in zip(ours, theirs):
+            assert torch.equal(a, b), f"step {step}"
+        assert ours[4].item() == float(found_inf.item() > 0)
+        assert ours[3].item() == (ours[0].double().reciprocal().float()).item()
+
+
+def test_the_outputs_alone_leave_apex_s_step_unclamped(device):
+    state = (torch.tensor([2.0**16], device=device), torch.zeros(1, dtype=torch.int32, device=device),
+             torch.ones(1, dtype=torch.int32, device=device))
+    inv, skip = torch.zeros(1, device=device), torch.zeros(1, device=device)
+    amp_C.update_scale_hysteresis(*state, torch.ones(1, device=device), 2.0, 2.0**-30, 10, 1,
+                                  inv_scale=inv, should_skip=skip)
+    assert state[0].item() == 2.0**-14 and inv.item() == 2.0**14 and skip.item() == 1.0
+
+
+@pytest.mark.cuda
+def test_update_with_clamp_and_outputs_on_cuda_matches_the_cpu_twin():
+    rng = random.Random(16)
+    cpu = [torch.tensor([2.0**16]), torch.zeros(1, dtype=torch.int32), torch.full((1,), 2, dtype=torch.int32),
+           torch.zeros(1), torch.zeros(1)]
+    gpu = [t.cuda() for t in cpu]
+    for step in range(100):
+        found_inf = float(rng.random() < 0.45)
+        for tensors in (cpu, gpu):
+            flag = torch.tensor([found_inf], device=tensors[0].device)
+            amp_C.update_scale_hysteresis(*tensors[:3], flag, 3.0, 0.3, 2, 2, 0.1, 3e5,
+                                          inv_scale=tensors[3], should_skip=tensors[4])
+        assert all(torch.equal(c, g.cpu()) for c, g in zip(cpu, gpu)), f"step {step}"
+
+
 def test_update_scale_hysteresis_never_grows_to_inf(device):
     scale = torch.tensor([3e38], device=device)
     growth = torch.zeros(1, dtype=torch.int32, device=device)
@@ -443,6 +495,11 @@ def test_writes_bump_the_version_counter_of_every_written_tensor(device):
     before = versions(state)
     amp_C.update_scale_hysteresis(*state, torch.zeros(1, device=device), 2.0, 0.5, 10, 1)
     assert all(a > b for a, b in zip(versions(state), before))
+
+    outputs = (torch.zeros(1, device=device), torch.zeros(1, device=device))
+    before = versions(state + outputs)
+    amp_C.update_scale_hysteresis(*state, torch.zeros(1, device=device), 2.0, 0.5, 10, 1, 1.0, 2.0, *outputs)
+    assert all(a > b for a, b in zip(versions(state + outputs), before))
 
 
 def test_autograd_sees_a_tensor_overwritten_by_a_kernel():
@@ -539,6 +596,21 @@ def test_hysteresis_counts_beyond_int32_are_refused_alike_in_both_paths(argument
             *state, torch.zeros(1), 2.0, 0.5, counts["growth_interval"], counts["hysteresis"]))
         assert kind is ValueError and argument in message, name
         assert state[0].item() == 1.0 and state[1].item() == 0 and state[2].item() == 1, name
+
+
+@pytest.mark.parametrize("bad", [
+    dict(min_scale=1e39), dict(max_scale=-1e39), dict(max_scale=float("nan")),
+    dict(inv_scale=torch.zeros(1, dtype=torch.float64)), dict(should_skip=torch.zeros(2)),
+    dict(should_skip=torch.zeros(1, dtype=torch.int32))], ids=str)
+def test_bad_clamp_bounds_and_outputs_are_refused_alike_in_both_paths(bad):
+    for name, ops in BOTH.items():
+        state = (torch.ones(1), torch.zeros(1, dtype=torch.int32), torch.ones(1, dtype=torch.int32))
+        outputs = dict(inv_scale=torch.zeros(1), should_skip=torch.zeros(1))
+        kind, message = raised_by(lambda: ops.update_scale_hysteresis(
+            *state, torch.ones(1), 2.0, 0.5, 1, 1, **{**outputs, **bad}))
+        assert kind is ValueError and next(iter(bad)) in message, (name, message)
+        assert [t.item() for t in state] == [1.0, 0, 1], name
+        assert all(t.item() == 0 for t in outputs.values()), name
 
 
 def test_arg_to_check_beyond_int32_checks_nothing_like_the_fallback():

@@ -57,9 +57,9 @@ def test_resuming_right_after_a_skipped_step_restores_the_reduced_scale():
     train(model, optimizer, range(2), {1})
     checkpoint = save(model, optimizer)
     assert checkpoint["amp"]["loss_scaler0"]["loss_scale"] == 2.0**15
-    initialized("O2", seed=1)
+    model, optimizer = initialized("O2", seed=1)  # the saved run's objects are dropped, as on resume
     amp.load_state_dict(checkpoint["amp"])
-    assert _amp_state.loss_scalers[0].loss_scale() == 2.0**15
+    assert amp.loss_scale(optimizer=optimizer) == 2.0**15
 
 
 def test_amp_state_dict_holds_every_scaler_as_plain_numbers():
@@ -73,7 +73,7 @@ def test_amp_load_state_dict_restores_scale_and_counters():
     model, optimizer = initialized("O1", hysteresis=3)
     train(model, optimizer, range(3), {0})
     saved = amp.state_dict()
-    initialized("O1", hysteresis=3, seed=1)
+    model, optimizer = initialized("O1", hysteresis=3, seed=1)
     amp.load_state_dict(saved)
     assert amp.state_dict() == saved and saved["loss_scaler0"]["unskipped"] == 2
 
@@ -90,12 +90,13 @@ def test_a_bad_second_entry_leaves_the_first_scaler_unchanged(bad_entry):
 
 @pytest.mark.parametrize("saved_losses, num_losses", [(1, 2), (3, 2)])
 def test_loading_a_checkpoint_with_another_num_losses_is_an_error(saved_losses, num_losses):
-    initialized("O2", num_losses=saved_losses)
+    saved_run = initialized("O2", num_losses=saved_losses)
     saved = amp.state_dict()
-    initialized("O2", num_losses=num_losses, seed=1)
+    del saved_run  # gone, as after a restart
+    _, optimizer = initialized("O2", num_losses=num_losses, seed=1)
     with pytest.raises(RuntimeError, match="num_losses"):
         amp.load_state_dict(saved)
-    assert [s.loss_scale() for s in _amp_state.loss_scalers] == [2.0**16] * num_losses
+    assert [amp.loss_scale(i, optimizer=optimizer) for i in range(num_losses)] == [2.0**16] * num_losses
 
 
 def test_every_state_dict_loads_with_weights_only():

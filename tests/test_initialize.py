@@ -273,7 +273,8 @@ def test_unknown_opt_level_is_a_runtime_error_naming_the_options(opt_level):
 
 @pytest.mark.parametrize("keyword, value", [
     ("num_losses", 0), ("hysteresis", 0), ("verbosity", 5), ("max_consecutive_skips", -1),
-    ("growth_interval", 0), ("num_losses", 1.5), ("max_consecutive_skips", True)])
+    ("growth_interval", 0), ("num_losses", 1.5), ("max_consecutive_skips", True),
+    ("max_steps_at_scale_floor", -1), ("max_steps_at_scale_floor", 2.5)])
 def test_bad_keyword_value_is_a_value_error_naming_it(keyword, value):
     with pytest.raises(ValueError, match=keyword):
         amp.initialize(net(), opt_level="O2", **{keyword: value})

@@ -41,7 +41,7 @@ def test_zero_max_consecutive_skips_disables_the_error():
 
 @pytest.mark.filterwarnings("ignore:amp. the dynamic loss scale fell")
 def test_skip_messages_are_rate_limited_warnings_of_the_amp_logger(caplog, capsys):
-    model, optimizer = initialized("O2", max_consecutive_skips=0, verbosity=1)
+    model, optimizer = initialized("O2", max_consecutive_skips=0, max_steps_at_scale_floor=0, verbosity=1)
     with caplog.at_level(logging.WARNING, logger="amp"):
         for step in range(250):
             train_step(model, optimizer, step, inject=True)
@@ -73,7 +73,7 @@ ALTERNATING_STEPS = 600  # 300 overflows: without a floor 2**16 halves past fp32
 
 @pytest.mark.parametrize("opt_level", ["O1", "O2"])
 def test_overflow_on_every_other_step_stops_at_the_floor_with_finite_weights(opt_level):
-    model, optimizer = initialized(opt_level, max_consecutive_skips=5)
+    model, optimizer = initialized(opt_level, max_consecutive_skips=5, max_steps_at_scale_floor=0)
     with pytest.warns(UserWarning, match="loss scale fell to 0.5"):
         for step in range(ALTERNATING_STEPS):
             train_step(model, optimizer, step, inject=step % 2 == 0)
@@ -87,7 +87,8 @@ def test_overflow_on_every_other_step_stops_at_the_floor_with_finite_weights(opt
 def test_overflow_on_every_other_step_equals_fp32_training_on_the_clean_steps():
     # An fp32 model scaled by powers of two is exact, so the applied steps must match plain fp32
     # SGD on the same batches bit for bit, at every scale down to the floor.
-    model, optimizer = initialized("O0", loss_scale="dynamic", max_consecutive_skips=5)
+    model, optimizer = initialized("O0", loss_scale="dynamic", max_consecutive_skips=5,
+                                   max_steps_at_scale_floor=0)
     reference = net()
     reference_optimizer = sgd(reference.parameters())
     for step in range(ALTERNATING_STEPS):

@@ -27,6 +27,12 @@ def test_loss_scaler_resets_a_shrunken_scale():
     assert amp.loss_scale(optimizer=optimizer) == 2.0**16
 
 
+@pytest.mark.parametrize("accessor", ["loss_scale", "loss_scale_tensor", "loss_scaler"])
+def test_an_accessor_called_before_initialize_names_itself(accessor):
+    with pytest.raises(RuntimeError, match=rf"amp\.{accessor}\(\) needs an enabled amp.initialize"):
+        getattr(amp, accessor)()
+
+
 def test_accessors_name_a_bad_loss_id_and_need_an_initialize():
     with pytest.raises(RuntimeError, match="needs an enabled amp.initialize"):
         amp.loss_scale()

@@ -204,6 +204,41 @@ def test_load_state_dict_rejects_bad_dicts_without_changing_state(bad, message):
     assert state(scaler) == before
 
 
+def test_a_counter_beyond_the_growth_interval_is_refused_with_the_remedy():
+    scaler = LossScaler("dynamic", growth_interval=5)
+    saved = LossScaler("dynamic", growth_interval=50)
+    for _ in range(7):
+        step(saved, overflow=False)
+    with pytest.raises(ValueError, match="growth_interval=5; resume with the saved run's growth_interval"):
+        scaler.load_state_dict(saved.state_dict())
+
+
+@pytest.mark.filterwarnings("ignore:amp. the dynamic loss scale fell")
+@pytest.mark.parametrize("extension", [True, False], ids=["amp_C", "fallback"])
+@pytest.mark.parametrize("value", [0.1, 3.0, 2.0**-20, 6e4])
+def test_unscaling_divides_by_the_fp32_scale_in_fp64_after_every_write(value, extension):
+    # The scaler keeps 1/scale beside the scale; every way of changing the scale must keep it right.
+    def unscaled(scaler):
+        grads = [torch.tensor([1.0, 3.0, 5e-3, -7.0], dtype=torch.float16)]
+        out = [torch.empty(4)]
+        scaler.unscale(grads, out, None)
+        scale = torch.tensor([scaler.loss_scale()], dtype=torch.float32)
+        return out[0], grads[0].float() * scale.double().reciprocal().float()
+
+    with use_extension(extension):
+        scaler = LossScaler("dynamic", init_scale=value, min_loss_scale=2.0**-24, growth_interval=1)
+        assert torch.equal(*unscaled(scaler))            # the initial scale
+        scaler.set_scale(value * 1.5)
+        assert torch.equal(*unscaled(scaler))            # a host write
+        step(scaler, overflow=False)
+        assert torch.equal(*unscaled(scaler))            # growth
+        step(scaler, overflow=True)
+        assert torch.equal(*unscaled(scaler))            # backoff
+        restored = LossScaler("dynamic", min_loss_scale=2.0**-24, growth_interval=1)
+        restored.load_state_dict(scaler.state_dict())
+        assert torch.equal(*unscaled(restored))          # a checkpoint
+
+
 def test_static_scaler_loads_apex_counters_that_grew_without_bound():
     scaler = LossScaler(128.0)
     scaler.load_state_dict({"loss_scale": 128.0, "unskipped": 10**6})

@@ -251,3 +251,21 @@ def test_cuda_fused_step_has_no_sync(opt_level):
         torch.cuda.set_sync_debug_mode("default")
     expected = 0 if opt_level == "O5" else 1
     assert amp.skipped_steps(optimizer).item() == expected
+
+
+@needs_fused(torch.optim.SGD)
+@pytest.mark.filterwarnings("ignore:amp. the dynamic loss scale fell")
+def test_scale_floor_limit_also_trips_on_the_sync_free_path_without_host_reads():
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2, fused=True)
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O2", verbosity=0,
+                                      backoff_factor=2.0**-8, max_steps_at_scale_floor=3)
+    x, y = data()
+    steps = []
+    with count_host_reads() as reads, pytest.raises(amp.LossScaleFloorError, match="for 4 step"):
+        for step in range(40):
+            train_step(model, optimizer, x, y, inject_inf=step % 4 == 0)  # never twice in a row
+            steps.append(step)
+    assert reads == []
+    # The fifth overflow (step 16) reaches the floor 2**-24; three more steps are allowed there.
+    assert steps[-1] == 18

@@ -6,9 +6,10 @@ namespace amp_C {
 void update_scale_hysteresis_cpu(float* current_scale, int32_t* growth_tracker,
                                  int32_t* hysteresis_tracker, const float* found_inf,
                                  double growth_factor, double backoff_factor,
-                                 int32_t growth_interval, int32_t hysteresis) {
+                                 int32_t growth_interval, int32_t hysteresis,
+                                 ScaleUpdateExtras extras) {
   update_scale_hysteresis_step(current_scale, growth_tracker, hysteresis_tracker, found_inf,
-                               growth_factor, backoff_factor, growth_interval, hysteresis);
+                               growth_factor, backoff_factor, growth_interval, hysteresis, extras);
 }
 
 }  // namespace amp_C

@@ -1,0 +1,134 @@
+"""``amp.state_dict`` / ``amp.load_state_dict``: the loss scalers of every live ``initialize`` call.
+
+A run is live while a model or optimizer its ``initialize`` returned is alive. One live run saves
+Apex's format, ``{"loss_scaler0": {...}, "loss_scaler1": ...}``, so single-run checkpoints are as
+they always were. Several live runs save one such dict per run, ``{"run0": ..., "run1": ...}``, in
+the order of their ``initialize`` calls. A load matches saved runs to live runs by that position
+and refuses, before anything changes, a checkpoint whose number of runs, ``num_losses`` or static /
+dynamic scalers differ from the live ones. ``optimizer=`` selects one run (``run``, here), in
+Apex's format.
+"""
+import copy
+from collections import OrderedDict
+
+from ._amp_state import _amp_state
+
+RUN_PREFIX = "run"
+
+
+def _scaler_key(index):
+    return f"loss_scaler{index}"
+
+
+def _run_key(index):
+    return f"{RUN_PREFIX}{index}"
+
+
+def _scaler_states(context, destination):
+    for index, scaler in enumerate(context.loss_scalers):
+        destination[_scaler_key(index)] = scaler.state_dict()
+    return destination
+
+
+def state_dict(destination=None, run=None):
+    if destination is None:
+        destination = OrderedDict()
+    if run is not None:
+        return _scaler_states(run, destination)
+    runs = _amp_state.live_runs()
+    if len(runs) == 1:
+        return _scaler_states(runs[0], destination)
+    for index, context in enumerate(runs):
+        destination[_run_key(index)] = _scaler_states(context, OrderedDict())
+    return destination
+
+
+def _is_multi_run(state):
+    return len(state) > 0 and all(isinstance(key, str) and key.startswith(RUN_PREFIX) for key in state)
+
+
+def _kinds(flags):
+    """``[True, None]`` -> ``"dynamic, ?"``: what a run's scalers are (None: not saved, Apex's dicts)."""
+    return ", ".join({True: "dynamic", False: "static"}.get(flag, "?") for flag in flags)
+
+
+def _describe_saved(state):
+    entries = state.values() if _is_multi_run(state) else [state]
+    described = []
+    for entry in entries:
+        if not isinstance(entry, dict):
+            described.append(f"<{type(entry).__name__}>")
+            continue
+        flags = [value.get("dynamic") if isinstance(value, dict) else None for value in entry.values()]
+        described.append(f"{len(entry)} loss scaler(s) ({_kinds(flags)})")
+    return f"{len(described)} run(s): " + "; ".join(described)
+
+
+def _describe_live(runs):
+    described = [f"{context.properties.opt_level} with {len(context.loss_scalers)} loss scaler(s) "
+                 f"({_kinds(s.dynamic for s in context.loss_scalers)})" for context in runs]
+    return f"{len(described)} run(s): " + "; ".join(described)
+
+
+def _mismatch(state, runs, why):
+    return RuntimeError(
+        f"amp.load_state_dict refused the checkpoint, nothing was changed: {why} The checkpoint "
+        f"holds {_describe_saved(state)}. Live amp.initialize runs, in call order: "
+        f"{_describe_live(runs)}. Initialize the same runs (opt level, num_losses, loss_scale) in "
+        "the same order as the saved process, drop the objects of runs you no longer train, or "
+        "load one run's entry with amp.load_state_dict(entry, optimizer=that_runs_optimizer).")
+
+
+def _check_run(entry, context, state, runs, name):
+    """Refuse an entry whose scalers do not match ``context``'s in number and kind."""
+    if not isinstance(entry, dict):
+        raise TypeError(f"amp.load_state_dict expects the dict from amp.state_dict(), got "
+                        f"{type(entry).__name__} for {name}.")
+    scalers = context.loss_scalers
+    expected = {_scaler_key(index) for index in range(len(scalers))}
+    unexpected = sorted(set(entry) - expected)
+    missing = sorted(expected - set(entry))
+    if unexpected or missing:
+        raise _mismatch(state, runs, f"{name} has unexpected keys {unexpected} and missing keys "
+                        f"{missing}: it was saved with num_losses={len(entry)}, the run it would "
+                        f"load into has num_losses={len(scalers)}; use the same num_losses as the "
+                        "saved run.")
+    for index, scaler in enumerate(scalers):
+        saved = entry[_scaler_key(index)]
+        if isinstance(saved, dict) and saved.get("dynamic", scaler.dynamic) != scaler.dynamic:
+            raise _mismatch(state, runs, f"{name}'s loss scaler {index} was saved "
+                            f"{_kinds([saved.get('dynamic')])} but the live one is "
+                            f"{_kinds([scaler.dynamic])}.")
+
+
+def load_state_dict(state_dict, run=None):
+    if not isinstance(state_dict, dict):
+        raise TypeError(f"amp.load_state_dict expects the dict from amp.state_dict(), got "
+                        f"{type(state_dict).__name__}.")
+    runs = [run] if run is not None else _amp_state.live_runs()
+    if not runs:
+        raise RuntimeError("amp.load_state_dict() needs the loss scalers that amp.initialize creates: "
+                           "call amp.initialize first, then load the checkpoint.")
+    if _is_multi_run(state_dict):
+        if run is not None:
+            raise _mismatch(state_dict, runs, "optimizer= selects one run, and the checkpoint holds "
+                            "several: pass one run's entry, e.g. state_dict['run1'].")
+        entries = [state_dict.get(_run_key(index)) for index in range(len(state_dict))]
+        if len(runs) != len(entries) or any(entry is None for entry in entries):
+            raise _mismatch(state_dict, runs, f"the checkpoint's runs do not match the {len(runs)} "
+                            "live run(s) one to one.")
+    else:
+        if len(runs) != 1:
+            raise _mismatch(state_dict, runs, f"the checkpoint holds one run's loss scalers and "
+                            f"{len(runs)} runs are live, so which one it belongs to is ambiguous.")
+        entries = [state_dict]
+    names = [_run_key(index) if len(entries) > 1 else "the checkpoint" for index in range(len(entries))]
+    for entry, context, name in zip(entries, runs, names):
+        _check_run(entry, context, state_dict, runs, name)
+    # Dry run on copies first, so one bad entry leaves every scaler of every run untouched.
+    for entry, context in zip(entries, runs):
+        for index, scaler in enumerate(context.loss_scalers):
+            copy.deepcopy(scaler).load_state_dict(entry[_scaler_key(index)])
+    for entry, context in zip(entries, runs):
+        for index, scaler in enumerate(context.loss_scalers):
+            scaler.load_state_dict(entry[_scaler_key(index)])

@@ -129,10 +129,13 @@ def test_registration_overrides_the_lists(fresh_state, low):
     assert nn.Linear(3, 3)(torch.randn(2, 3)).dtype == torch.float32
 
 
-def test_registrations_are_consumed_by_init(fresh_state, low):
+def test_registrations_last_until_deactivate(fresh_state, low):
     original = torch.sigmoid
     amp.register_half_function(torch, "sigmoid")
     amp.casting.init(patch_type=low)
+    amp.casting.init(patch_type=low)  # an earlier run's registration stays for its models
+    assert torch.sigmoid(torch.randn(3)).dtype == torch.float16
+    amp.deactivate()
     amp.casting.init(patch_type=low)
     assert torch.sigmoid is original
 

@@ -27,6 +27,8 @@ def _register(module, name, dtype):
     if not hasattr(module, name):
         raise ValueError(f"No function named {name} in module {module}.")
     _USER_REGISTRY.append((module, name, dtype))
+    if _amp_state.handle is not None:
+        _amp_state.handle._apply_registrations()
 
 
 def register_half_function(module, name):

@@ -3,6 +3,7 @@ forward, whatever later ``initialize`` calls do; outside every amp model the lat
 policy applies, with a warning when that changes an earlier run's."""
 import copy
 import logging
+import threading
 
 import pytest
 import torch
@@ -121,3 +122,55 @@ def test_a_copied_model_keeps_its_run_policy():
     model, _ = initialized("O4")
     initialized("O1", seed=1)
     assert copy.deepcopy(model)(batch(0)).dtype == torch.bfloat16
+
+
+class _Waits(nn.Module):
+    """Holds its forward open until ``release`` is set."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def forward(self, x):
+        self.entered.set()
+        self.release.wait(10)
+        return self.linear(x)
+
+
+def _forward_in_thread(model):
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(out=model(batch(0))))
+    thread.start()
+    assert model.entered.wait(10)
+    return thread, result
+
+
+def test_a_forward_at_another_level_in_another_thread_raises():
+    waits = _Waits()
+    waits = amp.initialize(waits, torch.optim.SGD(waits.parameters(), lr=0.1), opt_level="O4",
+                           verbosity=0)[0]
+    other = _initialized_fails("O1")
+    thread, result = _forward_in_thread(waits)
+    try:
+        with pytest.raises(RuntimeError, match="one thread"):
+            other(batch(0))
+    finally:
+        waits.release.set()
+        thread.join()
+    assert result["out"].dtype == torch.bfloat16
+    assert other(batch(0)).dtype == torch.float16
+
+
+def test_forwards_at_one_level_run_in_several_threads():
+    waits = _Waits()
+    waits = amp.initialize(waits, torch.optim.SGD(waits.parameters(), lr=0.1), opt_level="O1",
+                           verbosity=0)[0]
+    other = _initialized_fails("O1")
+    thread, result = _forward_in_thread(waits)
+    try:
+        assert other(batch(0)).dtype == torch.float16
+    finally:
+        waits.release.set()
+        thread.join()
+    assert result["out"].dtype == torch.float16

@@ -11,16 +11,22 @@ amp model wins (a teacher called inside a student's forward computes as its own 
 Outside every amp model's forward the latest ``initialize``'s policy applies.
 
 ``current`` is not thread-local: a thread-local read would cost every patched call and cannot be
-traced by torch.compile. Models of different opt levels running forward at the same moment in
-two threads therefore see each other's policy; run them in one thread or at one level.
+traced by torch.compile. So a model whose forward starts while another thread is inside the
+forward of a model that casts differently raises instead of computing at the wrong level; models
+that cast alike may run forward in several threads at once.
 """
 import functools
+import threading
 
-__all__ = ["current", "DISABLED", "set_outside", "track", "disabled"]
+from .._compat import is_compiling
+
+__all__ = ["current", "DISABLED", "set_outside", "outside", "track", "disabled", "restore"]
 
 current = None
 # The policies that enclosing forwards (and the outside) will get back, innermost last.
 _outer = []
+# The thread that entered the outermost running amp forward.
+_owner = None
 
 
 class _Disabled:
@@ -47,9 +53,25 @@ def outside():
     return _outer[0] if _outer else current
 
 
+def _dtype(policy):
+    """What ``policy`` casts to (None: nothing)."""
+    return policy.patch_type if policy is not None and policy._is_active else None
+
+
 def _enter_forward(policy, module, args):
-    global current
+    global current, _owner
+    # Saved first: the forward hook restores it even when this hook raises.
     _outer.append(current)
+    if not is_compiling():
+        thread = threading.get_ident()
+        if len(_outer) == 1:
+            _owner = thread
+        elif thread != _owner and _dtype(current) is not _dtype(policy):
+            raise RuntimeError(
+                f"{type(module).__name__}'s forward (amp casts: {_dtype(policy)}) started while "
+                f"another thread runs the forward of an amp model that casts to "
+                f"{_dtype(current)}. The O1/O4 casting policy is process-wide, not per thread: "
+                "run these models' forwards in one thread, or initialize them at one opt level.")
     # Inside disable_casts, an O1/O4 model does not turn its casts back on.
     current = DISABLED if policy is not None and current is DISABLED else policy
 

@@ -76,14 +76,14 @@ class _Fails(nn.Module):
         return y
 
 
-def _initialized_fails(opt_level):
-    model = _Fails()
+def _initialized_model(opt_level, module_class=None):
+    model = (module_class or _Fails)()
     return amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
                           opt_level=opt_level, verbosity=0)[0]
 
 
 def test_policy_is_restored_when_a_forward_raises():
-    model = _initialized_fails("O1")
+    model = _initialized_model("O1")
     initialized("O2", seed=1)
     outside = policy.current
     with pytest.raises(KeyError):
@@ -94,7 +94,7 @@ def test_policy_is_restored_when_a_forward_raises():
 
 
 def test_disable_casts_covers_an_amp_model_forward():
-    model = _initialized_fails("O1")
+    model = _initialized_model("O1")
     with amp.disable_casts():
         assert model(batch(0)).dtype == torch.float32
     assert model(batch(0)).dtype == torch.float16
@@ -147,10 +147,8 @@ def _forward_in_thread(model):
 
 
 def test_a_forward_at_another_level_in_another_thread_raises():
-    waits = _Waits()
-    waits = amp.initialize(waits, torch.optim.SGD(waits.parameters(), lr=0.1), opt_level="O4",
-                           verbosity=0)[0]
-    other = _initialized_fails("O1")
+    waits = _initialized_model("O4", _Waits)
+    other = _initialized_model("O1")
     thread, result = _forward_in_thread(waits)
     try:
         with pytest.raises(RuntimeError, match="one thread"):
@@ -163,10 +161,8 @@ def test_a_forward_at_another_level_in_another_thread_raises():
 
 
 def test_forwards_at_one_level_run_in_several_threads():
-    waits = _Waits()
-    waits = amp.initialize(waits, torch.optim.SGD(waits.parameters(), lr=0.1), opt_level="O1",
-                           verbosity=0)[0]
-    other = _initialized_fails("O1")
+    waits = _initialized_model("O1", _Waits)
+    other = _initialized_model("O1")
     thread, result = _forward_in_thread(waits)
     try:
         assert other(batch(0)).dtype == torch.float16

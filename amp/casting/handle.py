@@ -221,10 +221,9 @@ def _reinstall(handle, registered):
         raise
 
 
-def _describe(handle):
-    if handle is None or not handle.is_active():
-        return "no O1/O4 casts"
-    return f"O1/O4 casts to {handle.patch_type}"
+def _describe(run):
+    dtype = policy.casts_to(run)
+    return "no O1/O4 casts" if dtype is None else f"O1/O4 casts to {dtype}"
 
 
 def init(enabled=True, loss_scale="dynamic", enable_caching=True, verbose=False,

@@ -20,7 +20,8 @@ import threading
 
 from .._compat import is_compiling
 
-__all__ = ["current", "DISABLED", "set_outside", "outside", "track", "disabled", "restore"]
+__all__ = ["current", "DISABLED", "set_outside", "outside", "casts_to", "track", "disabled",
+           "restore"]
 
 current = None
 # The policies that enclosing forwards (and the outside) will get back, innermost last.
@@ -53,7 +54,7 @@ def outside():
     return _outer[0] if _outer else current
 
 
-def _dtype(policy):
+def casts_to(policy):
     """What ``policy`` casts to (None: nothing)."""
     return policy.patch_type if policy is not None and policy._is_active else None
 
@@ -66,11 +67,11 @@ def _enter_forward(policy, module, args):
         thread = threading.get_ident()
         if len(_outer) == 1:
             _owner = thread
-        elif thread != _owner and _dtype(current) is not _dtype(policy):
+        elif thread != _owner and casts_to(current) is not casts_to(policy):
             raise RuntimeError(
-                f"{type(module).__name__}'s forward (amp casts: {_dtype(policy)}) started while "
+                f"{type(module).__name__}'s forward (amp casts: {casts_to(policy)}) started while "
                 f"another thread runs the forward of an amp model that casts to "
-                f"{_dtype(current)}. The O1/O4 casting policy is process-wide, not per thread: "
+                f"{casts_to(current)}. The O1/O4 casting policy is process-wide, not per thread: "
                 "run these models' forwards in one thread, or initialize them at one opt level.")
     # Inside disable_casts, an O1/O4 model does not turn its casts back on.
     current = DISABLED if policy is not None and current is DISABLED else policy

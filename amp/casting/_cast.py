@@ -153,7 +153,7 @@ def _plain_cast(t, dtype, name, verbose):
 
 
 def make_caster(name, verbose=False, cache=None):
-    """Return ``cast(tensor, dtype)``: ``cast_tensor`` with this ``name``, ``verbose``, ``cache``."""
+    """Return ``cast(tensor, dtype)``: ``cast_tensor`` bound to ``name``, ``verbose``, ``cache``."""
     def cast(t, dtype):
         return cast_tensor(t, dtype, name, verbose, cache)
     return cast

@@ -4,8 +4,9 @@ Each successful ``amp.initialize`` builds one :class:`AmpContext` (its options a
 and every optimizer it returns reaches that context through ``optimizer._amp_stash.context``, so
 a later ``initialize`` on other objects never changes how an earlier run scales, unscales or
 skips. ``_amp_state`` keeps Apex's fields as a read view of the latest context for code that
-pokes it (``amp._amp_state.loss_scalers[0]``); the O1/O4 function patches are process-wide by
-nature and live there too (``handle``).
+pokes it (``amp._amp_state.loss_scalers[0]``). The O1/O4 function patches are process-wide and
+their latest handle lives there too (``handle``); each context keeps its own run's casting policy,
+which its models apply inside their forward (``casting/policy.py``).
 
 Diagnostics go through ``logging.getLogger("amp")`` (configuration at INFO, skipped steps at
 WARNING), so applications can filter or redirect them; ``verbosity=0`` silences them.
@@ -34,6 +35,8 @@ class AmpContext:
         self.max_steps_at_scale_floor = max_steps_at_scale_floor
         # Weak references to the models and optimizers this call returned (see ``live``).
         self._owners = []
+        # Its O1/O4 handle (casting.policy), whose weight-cast cache scale_loss clears; else None.
+        self.casting_policy = None
 
     @property
     def enabled(self):

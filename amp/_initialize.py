@@ -162,12 +162,12 @@ def _initialize(models, optimizers, context, num_losses, cast_model_outputs, sca
         for model in models:
             register_fp32_state_dict_hooks(model, optimizers)
 
-    if properties.patch_torch_functions:
-        casting.init(loss_scale=properties.loss_scale, verbose=(context.verbosity == 2),
-                     patch_type=properties.patch_torch_functions_type)
-    else:
-        # A previous O1/O4 initialize may have left its patches in place: remove them.
-        casting.deactivate()
+    # An earlier O1/O4 run's patches stay installed: its models keep its casts in their forward.
+    earlier = _amp_state.context
+    context.casting_policy = casting.use_run_policy(properties, context.verbosity == 2,
+                                                    earlier and earlier.properties.opt_level)
+    for model in models:
+        casting.track_forward(model, context.casting_policy)
     _amp_state.publish(context)
 
     if optimizers_container is None:

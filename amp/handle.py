@@ -91,8 +91,8 @@ def _begin_backward(controllers, set_aside_grads):
 
 
 def _clear_cast_cache(context):
-    if context.properties.patch_torch_functions and _amp_state.handle is not None:
-        _amp_state.handle._clear_cache()
+    if context.casting_policy is not None:
+        context.casting_policy._clear_cache()
 
 
 @contextlib.contextmanager

@@ -129,11 +129,49 @@ def test_registration_overrides_the_lists(fresh_state, low):
     assert nn.Linear(3, 3)(torch.randn(2, 3)).dtype == torch.float32
 
 
-def test_registrations_are_consumed_by_init(fresh_state, low):
+def test_registrations_last_until_deactivate(fresh_state, low):
     original = torch.sigmoid
     amp.register_half_function(torch, "sigmoid")
     amp.casting.init(patch_type=low)
+    amp.casting.init(patch_type=low)  # an earlier run's registration stays for its models
+    assert torch.sigmoid(torch.randn(3)).dtype == torch.float16
+    amp.deactivate()
     amp.casting.init(patch_type=low)
+    assert torch.sigmoid is original
+
+
+def test_registration_after_init_applies_at_once(fresh_state, low):
+    amp.casting.init(patch_type=low)
+    x = torch.randn(2, 2)
+    assert torch.mm(x, x).dtype == low
+    amp.register_float_function(torch, "mm")
+    assert torch.mm(x, x).dtype == torch.float32
+    amp.casting.init(patch_type=low)  # and for later initialize calls
+    assert torch.mm(x, x).dtype == torch.float32
+
+
+def test_registration_after_initialize_applies_inside_the_model(fresh_state):
+    model, optimizer = initialized("O1")
+    assert model(batch(0)).dtype == torch.float16
+    amp.register_float_function(F, "linear")
+    assert model(batch(0)).dtype == torch.float32
+    train_step(model, optimizer, 0)
+
+
+def test_promote_registration_after_init_applies_at_once(fresh_state, low):
+    amp.casting.init(patch_type=low)
+    amp.register_promote_function(torch, "vdot")  # plain vdot refuses mixed dtypes
+    assert torch.vdot(torch.ones(3).to(low), torch.ones(3)).dtype == torch.float32
+
+
+def test_registering_again_after_init_replaces_the_registration(fresh_state, low):
+    original = torch.sigmoid
+    amp.casting.init(patch_type=low)
+    amp.register_half_function(torch, "sigmoid")
+    amp.register_float_function(torch, "sigmoid")  # the latest registration wins
+    assert torch.sigmoid.__wrapped__ is original
+    assert torch.sigmoid(torch.randn(2).to(low)).dtype == torch.float32
+    amp.deactivate()
     assert torch.sigmoid is original
 
 

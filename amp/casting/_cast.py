@@ -113,50 +113,47 @@ def any_low_precision(args, kwargs):
     return False
 
 
-def make_caster(name, verbose=False, cache=None):
-    """Return ``cast(tensor, dtype)`` for the wrapper of function ``name``.
+def cast_tensor(t, dtype, name, verbose=False, cache=None):
+    """Cast ``t`` to ``dtype`` for the wrapper of function ``name``.
 
     With a ``cache`` dict (the handle's), fp32 Parameters cast to fp16/bf16 are cast once and the
     copy is shared by every use (one autograd node) until the cache is cleared. With
     ``verbose``, each inserted cast logs Apex's "Float->Half (name)" line to the ``amp`` logger
     at INFO.
     """
+    # Under torch.compile the graph itself shares one cast per weight; a Python-side cache
+    # there would only cost graph breaks.
+    if (cache is None or t.dtype is not torch.float32 or dtype not in LOW_PRECISION
+            or not isinstance(t, Parameter) or is_compiling()):
+        return _plain_cast(t, dtype, name, verbose)
+    # Keyed by the Parameter object, so the copy's autograd parent is always `t`: no need
+    # for Apex's next_functions[1] parent check, which broke on torch >= 1.10 (Q7).
+    entry = cache.get(t)
+    version = t._version
+    if entry is not None:
+        copy, cached_version = entry
+        # A copy made under no_grad cannot carry gradients in training (train -> eval ->
+        # train), and an in-place update of the parameter (optimizer.step with no cache
+        # clear in between) makes the copy stale: both are cast again.
+        if (cached_version == version and copy.dtype is dtype
+                and (copy.requires_grad == t.requires_grad or not torch.is_grad_enabled())):
+            return copy
+    copy = _plain_cast(t, dtype, name, verbose)
+    # Inference tensors cannot be saved for backward later, so they are never cached.
+    if not torch.is_inference_mode_enabled():
+        cache[t] = (copy, version)
+    return copy
+
+
+def _plain_cast(t, dtype, name, verbose):
     if verbose:
-        def plain(t, dtype):
-            logger.info("%s->%s (%s)", TYPE_NAMES.get(t.dtype, t.dtype), TYPE_NAMES.get(dtype, dtype),
-                        name)
-            return t.to(dtype)
-    else:
-        def plain(t, dtype):
-            return t.to(dtype)
+        logger.info("%s->%s (%s)", TYPE_NAMES.get(t.dtype, t.dtype), TYPE_NAMES.get(dtype, dtype),
+                    name)
+    return t.to(dtype)
 
-    if cache is None:
-        return plain
 
-    float32 = torch.float32
-    is_grad_enabled = torch.is_grad_enabled
-
+def make_caster(name, verbose=False, cache=None):
+    """Return ``cast(tensor, dtype)``: ``cast_tensor`` bound to ``name``, ``verbose``, ``cache``."""
     def cast(t, dtype):
-        # Under torch.compile the graph itself shares one cast per weight; a Python-side cache
-        # there would only cost graph breaks.
-        if (t.dtype is not float32 or dtype not in LOW_PRECISION or not isinstance(t, Parameter)
-                or is_compiling()):
-            return plain(t, dtype)
-        # Keyed by the Parameter object, so the copy's autograd parent is always `t`: no need
-        # for Apex's next_functions[1] parent check, which broke on torch >= 1.10 (Q7).
-        entry = cache.get(t)
-        version = t._version
-        if entry is not None:
-            copy, cached_version = entry
-            # A copy made under no_grad cannot carry gradients in training (train -> eval ->
-            # train), and an in-place update of the parameter (optimizer.step with no cache
-            # clear in between) makes the copy stale: both are cast again.
-            if (cached_version == version and copy.dtype is dtype
-                    and (copy.requires_grad == t.requires_grad or not is_grad_enabled())):
-                return copy
-        copy = plain(t, dtype)
-        # Inference tensors cannot be saved for backward later, so they are never cached.
-        if not torch.is_inference_mode_enabled():
-            cache[t] = (copy, version)
-        return copy
+        return cast_tensor(t, dtype, name, verbose, cache)
     return cast

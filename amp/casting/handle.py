@@ -1,24 +1,28 @@
 """The O1/O4 handle: installs the function patches, owns the weight-cast cache, removes both.
 
 ``init`` is Apex's ``amp.init``; ``amp.initialize`` calls it for O1 (``patch_type=torch.float16``)
-and O4 (``torch.bfloat16``). Differences from Apex, on purpose: a new ``init`` removes the
-previous handle's patches first (no stacked wrappers); ``_deactivate`` restores every patched
-attribute, the RNN ``_VF`` shim included, in reverse order, and turns the handle (and so the
-decorators) off, and ``deactivate`` (``amp.deactivate()``) is its public form; ``disable_casts``
-is exception safe and a no-op without a handle.
+and O4 (``torch.bfloat16``). Each handle is also its run's casting policy (``policy.py``): the
+patches are installed once and read the current policy, so a later ``init`` takes the installed
+patches over (with the user registrations they carry) instead of changing an earlier run's models.
+Differences from Apex, on purpose: ``_deactivate`` restores every patched attribute, the RNN
+``_VF`` shim included, in reverse order, and turns the handle (and so the decorators) off, and
+``deactivate`` (``amp.deactivate()``) is its public form; ``disable_casts`` is exception safe and
+a no-op without a handle; a ``register_*_function`` call takes effect at once on the installed
+patches.
 """
 import contextlib
 
 import torch
 
 from .._amp_state import _amp_state
-from . import lists, rnn
+from .._amp_state import logger
+from . import lists, policy, rnn
 from .registry import consume_registry
-from .wrap import (make_cast_wrapper, make_error_if_any_low_precision,
+from .wrap import (make_banned_wrapper, make_cast_wrapper, make_error_if_any_low_precision,
                    make_error_if_self_low_precision, make_match_self_wrapper,
                    make_promote_wrapper, make_sequence_promote_wrapper)
 
-__all__ = ["AmpHandle", "NoOpHandle", "init", "deactivate", "disable_casts"]
+__all__ = ["AmpHandle", "NoOpHandle", "init", "deactivate", "disable_casts", "use_run_policy"]
 
 _OLD_API_ERROR = (
     "The old Amp API (amp.init() + handle.scale_loss / handle.wrap_optimizer) is no longer "
@@ -32,16 +36,31 @@ class AmpHandle:
 
     ``cache`` maps each fp32 Parameter cast to low precision in the current iteration to
     ``(cast copy, parameter version at cast time)``; ``_clear_cache()`` empties it (amp does so
-    at every ``scale_loss`` exit).
+    at every ``scale_loss`` exit). ``patch_type``, ``allow_banned``, ``verbose`` and the cache
+    are the run's policy, which the patches read while this run's models compute.
+
+    A copy of a model (``deepcopy``) shares its run's policy; a pickled one carries the settings
+    and starts with an empty cache and no patches.
     """
 
-    def __init__(self, loss_scale="dynamic", enable_caching=True, verbose=False):
+    def __init__(self, loss_scale="dynamic", enable_caching=True, verbose=False,
+                 allow_banned=False, patch_type=torch.float16):
         self.loss_scale = loss_scale
         self._enable_caching = enable_caching
         self._verbose = verbose
+        self.allow_banned = allow_banned
+        self.patch_type = patch_type
         self._cache = {}
         self._is_active = True
         self._all_wrappers = []
+        # The user registrations the installed patches carry, in installation order.
+        self._registered = []
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __getstate__(self):
+        return {**vars(self), "_cache": {}, "_all_wrappers": [], "_registered": []}
 
     def is_active(self):
         return self._is_active
@@ -72,8 +91,8 @@ class AmpHandle:
         self._all_wrappers.append((owner, name, vars(owner).get(name, _MISSING)))
         setattr(owner, name, new)
 
-    def _deactivate(self):
-        """Restore every patched attribute to the object it was before ``init``."""
+    def _uninstall(self):
+        """Restore every patched attribute to the object it was before the patches."""
         # Reverse order, so a name patched twice ends up on the original, not the first wrapper.
         for owner, name, previous in reversed(self._all_wrappers):
             if previous is _MISSING:
@@ -81,8 +100,20 @@ class AmpHandle:
             else:
                 setattr(owner, name, previous)
         self._all_wrappers = []
+
+    def _apply_registrations(self):
+        """Reinstall the patches with the pending user registrations (innermost, as at ``init``)."""
+        if self._all_wrappers:
+            _reinstall(self, self._registered + consume_registry())
+
+    def _deactivate(self):
+        """Restore every patched attribute and turn this run's casts off."""
+        self._uninstall()
+        self._registered = []
         self._is_active = False
         self._cache.clear()
+        if policy.outside() is self:
+            policy.set_outside(None)
 
     @property
     def has_cache(self):
@@ -128,26 +159,39 @@ class NoOpHandle:
     def _deactivate(self):
         pass
 
+    def _apply_registrations(self):
+        pass
+
 
 def _wrap(handle, module, names, make, *extra):
     for name in names:
-        handle._save_func(module, name, make(getattr(module, name), name, handle, *extra))
+        handle._save_func(module, name, make(getattr(module, name), name, *extra))
 
 
 def _inplace(module, names):
     return [n + "_" for n in names if hasattr(module, n + "_")]
 
 
-def _install(handle, patch_type, allow_banned):
-    # User registrations first, so they end up innermost and override the lists below.
-    for module, name, dtype in consume_registry():
+def _install(handle, registered):
+    # The fp16 lists, a superset of the bf16 ones: every wrapper reads the current policy, so
+    # one installation serves O1 and O4 runs alike.
+    # User registrations first, so they end up innermost and override the lists below; the
+    # latest registration of a name replaces the earlier ones.
+    latest = {}
+    for module, name, dtype in registered:
+        latest.pop((module, name), None)
+        latest[module, name] = dtype
+    for (module, name), dtype in latest.items():
         if dtype is None:
             _wrap(handle, module, [name], make_promote_wrapper)
         else:
             _wrap(handle, module, [name], make_cast_wrapper, dtype, dtype is not torch.float32)
-    functional, torch_lists, tensor_lists = lists.overrides(patch_type)
+    handle._registered = [(module, name, dtype) for (module, name), dtype in latest.items()]
+    functional, torch_lists, tensor_lists = lists.overrides(torch.float16)
     for ovr in (functional, torch_lists, tensor_lists):
-        _wrap(handle, ovr.module, ovr.low_precision, make_cast_wrapper, patch_type, True)
+        for name in ovr.low_precision:
+            only = torch.float16 if name in lists.TORCH_BF16_EXCLUDED else None
+            _wrap(handle, ovr.module, [name], make_cast_wrapper, None, True, only)
         _wrap(handle, ovr.module, ovr.fp32, make_cast_wrapper, torch.float32, False)
     for ovr in (torch_lists, tensor_lists):
         for name in ovr.promote:
@@ -160,14 +204,26 @@ def _install(handle, patch_type, allow_banned):
     _wrap(handle, torch.Tensor,
           _inplace(torch.Tensor, tensor_lists.low_precision + tensor_lists.promote),
           make_match_self_wrapper)
-    rnn.install(handle, patch_type)
+    rnn.install(handle)
     for name, message in functional.banned.items():
-        orig = getattr(functional.module, name)
-        if allow_banned:
-            new = make_cast_wrapper(orig, name, handle, torch.float32, False)
-        else:
-            new = make_error_if_any_low_precision(orig, name, message)
-        handle._save_func(functional.module, name, new)
+        _wrap(handle, functional.module, [name], make_banned_wrapper, message)
+
+
+def _reinstall(handle, registered):
+    """Replace the installed patches (if any) by ``handle``'s, carrying ``registered``."""
+    previous = _amp_state.handle
+    if isinstance(previous, AmpHandle):
+        previous._uninstall()
+    try:
+        _install(handle, registered)
+    except BaseException:
+        handle._uninstall()
+        raise
+
+
+def _describe(run):
+    dtype = policy.casts_to(run)
+    return "no O1/O4 casts" if dtype is None else f"O1/O4 casts to {dtype}"
 
 
 def init(enabled=True, loss_scale="dynamic", enable_caching=True, verbose=False,
@@ -175,24 +231,50 @@ def init(enabled=True, loss_scale="dynamic", enable_caching=True, verbose=False,
     """Patch torch, torch.Tensor and torch.nn.functional so listed functions run in
     ``patch_type`` (fp16 for O1, bf16 for O4) or fp32, and return the handle.
 
-    The previous handle's patches are removed first. ``enabled=False`` returns a ``NoOpHandle``.
-    ``allow_banned`` runs banned functions (``F.binary_cross_entropy``) in fp32 instead of raising;
-    ``verbose`` prints every inserted cast.
+    The handle's policy applies outside every amp model's forward from now on; models of
+    earlier ``initialize`` calls keep their own inside theirs. Patches already installed are
+    taken over with the user registrations they carry. ``enabled=False`` removes the patches
+    and returns a ``NoOpHandle``. ``allow_banned`` runs banned functions
+    (``F.binary_cross_entropy``) in fp32 instead of raising; ``verbose`` prints every inserted
+    cast.
     """
     if patch_type not in (torch.float16, torch.bfloat16):
         raise ValueError(f"patch_type must be torch.float16 (O1) or torch.bfloat16 (O4), "
                          f"got {patch_type}.")
-    deactivate()
     if not enabled:
+        deactivate()
         handle = NoOpHandle()
     else:
-        handle = AmpHandle(loss_scale, enable_caching, verbose)
-        try:
-            _install(handle, patch_type, allow_banned)
-        except BaseException:
-            handle._deactivate()
-            raise
+        handle = AmpHandle(loss_scale, enable_caching, verbose, allow_banned, patch_type)
+        previous = _amp_state.handle
+        carried = previous._registered if isinstance(previous, AmpHandle) else []
+        _reinstall(handle, carried + consume_registry())
     _amp_state.handle = handle
+    policy.set_outside(handle if enabled else None)
+    return handle
+
+
+def use_run_policy(properties, verbose, earlier_level):
+    """Install the casting policy of an ``initialize`` call; return it (None: no casts).
+
+    It becomes the policy outside every amp model's forward. When that changes what code there
+    computes for the earlier run (opt level ``earlier_level``, None when there is none), a
+    WARNING names both levels: that run's models keep their own policy, but its other code
+    (a loss computed outside the model, evaluation code) now follows this one.
+    """
+    before = policy.outside()
+    if properties.patch_torch_functions:
+        handle = init(loss_scale=properties.loss_scale, verbose=verbose,
+                      patch_type=properties.patch_torch_functions_type)
+    else:
+        handle = None
+        policy.set_outside(None)
+    if earlier_level is not None and _describe(before) != _describe(handle):
+        logger.warning(
+            "amp.initialize(opt_level=%r): outside every amp model's forward, torch functions "
+            "now run with %s instead of the %s of the earlier opt_level=%r run. That run's models "
+            "keep their own casts inside their forward; its code outside them changes.",
+            properties.opt_level, _describe(handle), _describe(before), earlier_level)
     return handle
 
 
@@ -200,20 +282,21 @@ def deactivate():
     """Remove every O1/O4 patch: the patched torch functions are their original objects again.
 
     A no-op when nothing is patched. Optimizers of earlier ``initialize`` calls keep working,
-    without the casts.
+    and their models compute without the casts.
     """
     handle = _amp_state.handle
     if handle is not None:
         handle._deactivate()
         _amp_state.handle = None
+    policy.set_outside(None)
 
 
 @contextlib.contextmanager
 def disable_casts():
-    """Run the block without amp casts (exception safe; a no-op when amp is not initialised)."""
-    handle = _amp_state.handle
-    if handle is None:
+    """Run the block without amp casts, inside amp models' forwards too (exception safe; a
+    no-op when no casts apply)."""
+    previous = policy.disabled()
+    try:
         yield
-    else:
-        with handle._disable_casts():
-            yield
+    finally:
+        policy.restore(previous)

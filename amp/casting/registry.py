@@ -1,14 +1,16 @@
 """User additions to the lists: ``register_*_function`` and the ``*_function`` decorators.
 
-Registrations are recorded here and consumed by the next ``init`` (``amp.initialize`` with O1 or
-O4), which installs them innermost, so they override the built-in lists. Decorators instead
-look up the active handle at each call, so they work whether they run before or after ``init``.
+Registrations are recorded here and installed innermost, so they override the built-in lists:
+at once when O1/O4 patches are installed, else by the next ``init`` (``amp.initialize`` with O1
+or O4). They stay with the installed patches until ``amp.deactivate()``. Decorators instead look
+up the current policy at each call, so they work whether they run before or after ``init``.
 """
 import functools
 
 import torch
 
 from .._amp_state import _amp_state
+from . import policy
 from ._cast import cast_args, make_caster, widest_type
 
 __all__ = [
@@ -25,20 +27,25 @@ def _register(module, name, dtype):
     if not hasattr(module, name):
         raise ValueError(f"No function named {name} in module {module}.")
     _USER_REGISTRY.append((module, name, dtype))
+    if _amp_state.handle is not None:
+        _amp_state.handle._apply_registrations()
 
 
 def register_half_function(module, name):
-    """Run ``module.name`` in fp16 under amp (takes effect at the next ``amp.initialize``)."""
+    """Run ``module.name`` in fp16 under amp: at once when O1/O4 patches are installed, else
+    from the next ``amp.initialize``."""
     _register(module, name, torch.float16)
 
 
 def register_bfloat16_function(module, name):
-    """Run ``module.name`` in bf16 under amp (takes effect at the next ``amp.initialize``)."""
+    """Run ``module.name`` in bf16 under amp: at once when O1/O4 patches are installed, else
+    from the next ``amp.initialize``."""
     _register(module, name, torch.bfloat16)
 
 
 def register_float_function(module, name):
-    """Run ``module.name`` in fp32 under amp (takes effect at the next ``amp.initialize``)."""
+    """Run ``module.name`` in fp32 under amp: at once when O1/O4 patches are installed, else
+    from the next ``amp.initialize``."""
     _register(module, name, torch.float32)
 
 
@@ -55,8 +62,8 @@ def consume_registry():
 
 
 def _active_handle():
-    handle = _amp_state.handle
-    return handle if handle is not None and handle.is_active() else None
+    run = policy.current
+    return run if run is not None and run._is_active else None
 
 
 def _cast_decorator(dtype):

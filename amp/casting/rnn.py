@@ -11,9 +11,9 @@ import torch
 from torch import Tensor
 
 from .._compat import rnn_module
-from . import lists
-from ._cast import FLOATING, cast_args, make_caster
-from .wrap import make_cast_wrapper
+from . import lists, policy
+from ._cast import FLOATING, cast_args
+from .wrap import make_cast_wrapper, make_policy_caster
 
 
 class _VFShim:
@@ -55,13 +55,15 @@ def _flat_cast(weights, dtype):
     return views
 
 
-def _make_rnn_wrapper(orig, name, handle, dtype):
-    cast = make_caster(name, handle.verbose)
+def _make_rnn_wrapper(orig, name):
+    cast = make_policy_caster(name)
 
     @functools.wraps(orig)
     def wrapper(*args, **kwargs):
-        if not handle._is_active:
+        run = policy.current
+        if run is None or not run._is_active:
             return orig(*args, **kwargs)
+        dtype = run.patch_type
         # (input, hx, weights, ...) or, for a PackedSequence, (data, batch_sizes, hx, weights, ...):
         # batch_sizes is the only integer tensor in either signature.
         packed = isinstance(args[1], Tensor) and args[1].dtype not in FLOATING
@@ -75,30 +77,32 @@ def _make_rnn_wrapper(orig, name, handle, dtype):
     return wrapper
 
 
-def _make_check_input_wrapper(orig, handle):
+def _make_check_input_wrapper(orig):
     # RNNBase.check_input rejects an input whose dtype differs from the weights' unless
     # torch.autocast is on. Under amp the kernels get matching dtypes anyway, so the check is
     # run on a shape-only stand-in that carries the weights' dtype.
     @functools.wraps(orig)
     def check_input(self, input, batch_sizes):
         weight_dtype = self._flat_weights[0].dtype
-        if handle._is_active and input.dtype is not weight_dtype and input.dtype in FLOATING:
+        run = policy.current
+        active = run is not None and run._is_active
+        if active and input.dtype is not weight_dtype and input.dtype in FLOATING:
             input = torch.empty(input.shape, dtype=weight_dtype, device="meta")
         return orig(self, input, batch_sizes)
     return check_input
 
 
-def install(handle, dtype):
-    """Patch the RNN entry points of ``torch.nn.modules.rnn`` for ``handle``."""
+def install(handle):
+    """Patch the RNN entry points of ``torch.nn.modules.rnn``; ``handle`` records the patches."""
     rnn = rnn_module()
     shim = _VFShim(rnn._VF)
     for name in lists.RNN_FUNCTIONS:
         if hasattr(shim, name):
-            setattr(shim, name, _make_rnn_wrapper(getattr(shim, name), name, handle, dtype))
+            setattr(shim, name, _make_rnn_wrapper(getattr(shim, name), name))
     for name in lists.RNN_CELLS:
         if hasattr(shim, name):
-            setattr(shim, name, make_cast_wrapper(getattr(shim, name), name, handle, dtype,
+            setattr(shim, name, make_cast_wrapper(getattr(shim, name), name, None,
                                                   try_caching=True))
     handle._save_func(rnn, "_VF", shim)
     base = rnn.RNNBase
-    handle._save_func(base, "check_input", _make_check_input_wrapper(base.check_input, handle))
+    handle._save_func(base, "check_input", _make_check_input_wrapper(base.check_input))

@@ -1,29 +1,48 @@
 """Wrapper factories: each returns a replacement for one patched function.
 
-Every wrapper keeps the original's name and docstring (``functools.wraps``) and consults the
-handle it was built for, so ``disable_casts`` and ``_deactivate`` switch all of them at once.
+Every wrapper keeps the original's name and docstring (``functools.wraps``) and reads the
+current policy (``policy.current``) on each call, so the model whose forward is running, and
+``disable_casts``, decide what it does.
 """
 import functools
 
-from ._cast import (FLOATING, LOW_PRECISION, any_low_precision, cast_args, make_caster,
+import torch
+
+from . import policy
+from ._cast import (FLOATING, LOW_PRECISION, any_low_precision, cast_args, cast_tensor,
                     no_floating_scalar, widest_type)
 
 
-def make_cast_wrapper(orig, name, handle, dtype, try_caching):
-    """Run ``orig`` with its floating arguments cast to ``dtype``."""
-    cast = make_caster(name, handle.verbose, handle._cache if try_caching and handle.has_cache
-                       else None)
+def make_policy_caster(name, try_caching=False):
+    """``cast(tensor, dtype)`` with the verbosity and weight-cast cache of the current policy.
+
+    Looked up at cast time, not per call: a call that needs no cast pays nothing for it.
+    """
+    def cast(t, dtype):
+        run = policy.current
+        cache = run.cache if try_caching and run.has_cache else None
+        return cast_tensor(t, dtype, name, run.verbose, cache)
+    return cast
+
+
+def make_cast_wrapper(orig, name, dtype, try_caching, only=None):
+    """Run ``orig`` with its floating arguments cast to ``dtype`` (None: the policy's patch type).
+
+    ``only``: cast only under a policy of this patch type (a name on one low-precision list).
+    """
+    cast = make_policy_caster(name, try_caching)
 
     @functools.wraps(orig)
     def wrapper(*args, **kwargs):
-        if not handle._is_active:
+        run = policy.current
+        if run is None or not run._is_active or (only is not None and run.patch_type is not only):
             return orig(*args, **kwargs)
-        args, kwargs = cast_args(args, kwargs, dtype, cast)
+        args, kwargs = cast_args(args, kwargs, run.patch_type if dtype is None else dtype, cast)
         return orig(*args, **kwargs)
     return wrapper
 
 
-def make_promote_wrapper(orig, name, handle, native=False):
+def make_promote_wrapper(orig, name, native=False):
     """Run ``orig`` with its floating arguments cast to the widest floating type among them.
 
     ``native``: ``orig`` promotes by itself unless an operand is a 0-dim floating tensor
@@ -33,11 +52,12 @@ def make_promote_wrapper(orig, name, handle, native=False):
     the add happens on the copy, and Python rebinds x to the float result (as in Apex); the
     original half tensor is left unchanged. Spell it ``x.add_(y)`` to keep x's dtype.
     """
-    cast = make_caster(name, handle.verbose)
+    cast = make_policy_caster(name)
 
     @functools.wraps(orig)
     def wrapper(*args, **kwargs):
-        if handle._is_active:
+        run = policy.current
+        if run is not None and run._is_active:
             values = (*args, *kwargs.values()) if kwargs else args
             if not (native and no_floating_scalar(values)):
                 dtype = widest_type(values)
@@ -47,13 +67,14 @@ def make_promote_wrapper(orig, name, handle, native=False):
     return wrapper
 
 
-def make_sequence_promote_wrapper(orig, name, handle):
+def make_sequence_promote_wrapper(orig, name):
     """For ``cat``/``stack``: cast the tensors of the first argument to their widest type."""
-    cast = make_caster(name, handle.verbose)
+    cast = make_policy_caster(name)
 
     @functools.wraps(orig)
     def wrapper(seq, *args, **kwargs):
-        if handle._is_active:
+        run = policy.current
+        if run is not None and run._is_active:
             dtype = widest_type(seq)
             if dtype is not None:
                 seq = type(seq)(t if t.dtype is dtype else cast(t, dtype) for t in seq)
@@ -61,13 +82,14 @@ def make_sequence_promote_wrapper(orig, name, handle):
     return wrapper
 
 
-def make_match_self_wrapper(orig, name, handle):
+def make_match_self_wrapper(orig, name):
     """In-place methods (``x.add_(y)``): cast the other arguments to x's dtype, so x keeps it."""
-    cast = make_caster(name, handle.verbose)
+    cast = make_policy_caster(name)
 
     @functools.wraps(orig)
     def wrapper(self, *args, **kwargs):
-        if handle._is_active and self.dtype in FLOATING:
+        run = policy.current
+        if run is not None and run._is_active and self.dtype in FLOATING:
             args, kwargs = cast_args(args, kwargs, self.dtype, cast)
         return orig(self, *args, **kwargs)
     return wrapper
@@ -76,30 +98,51 @@ def make_match_self_wrapper(orig, name, handle):
 def make_error_if_any_low_precision(orig, name, message=None):
     """Refuse fp16/bf16 arguments: for in-place fp32-only functions and banned functions.
 
-    Like Apex, this does not consult the handle: the function is unsafe in low precision
-    whether or not casts are currently enabled.
+    Like Apex, this refuses inside ``disable_casts`` too: the function is unsafe in low precision
+    whether or not casts are currently enabled. Under no O1/O4 policy (an O2 model's forward,
+    after an O0/O2/O3/O5 ``initialize``) it is the plain function.
     """
     message = message or f"Cannot call in-place function {name} with fp16 or bf16 arguments."
 
     @functools.wraps(orig)
     def wrapper(*args, **kwargs):
-        if any_low_precision(args, kwargs):
+        if policy.current is not None and any_low_precision(args, kwargs):
             raise NotImplementedError(message)
         return orig(*args, **kwargs)
     return wrapper
 
 
-def make_error_if_self_low_precision(orig, name, handle):
+def make_banned_wrapper(orig, name, message):
+    """A banned function: refused with fp16/bf16 arguments, or run in fp32 under a policy made
+    with ``allow_banned``."""
+    refuse = make_error_if_any_low_precision(orig, name, message)
+    cast = make_policy_caster(name)
+
+    @functools.wraps(orig)
+    def wrapper(*args, **kwargs):
+        run = policy.current
+        if run is None or not run.allow_banned:
+            return refuse(*args, **kwargs)
+        if run._is_active:
+            args, kwargs = cast_args(args, kwargs, torch.float32, cast)
+        return orig(*args, **kwargs)
+    return wrapper
+
+
+def make_error_if_self_low_precision(orig, name):
     """In-place fp32-only methods (``x.exp_()``): refuse an fp16/bf16 ``x``; else match x."""
-    cast = make_caster(name, handle.verbose)
+    cast = make_policy_caster(name)
 
     @functools.wraps(orig)
     def wrapper(self, *args, **kwargs):
+        run = policy.current
+        if run is None:
+            return orig(self, *args, **kwargs)
         if self.dtype in LOW_PRECISION:
             raise NotImplementedError(
                 f"Cannot call in-place method {name} on {self.dtype} tensors: it needs fp32 "
                 f"precision. Use the out-of-place form ({name[:-1]}), which amp runs in fp32.")
-        if handle._is_active and self.dtype in FLOATING:
+        if run._is_active and self.dtype in FLOATING:
             args, kwargs = cast_args(args, kwargs, self.dtype, cast)
         return orig(self, *args, **kwargs)
     return wrapper

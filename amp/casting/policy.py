@@ -1,0 +1,102 @@
+"""Which run's casting rules the O1/O4 patches apply at this moment.
+
+The patches are process-wide (one installation, kept while any O1/O4 run may be live), but each
+``amp.initialize`` call has its own policy: its ``AmpHandle`` (O1: fp16, O4: bf16, with its own
+weight-cast cache) or ``None`` (O0, O2, O3, O5: no casts). Every wrapper reads ``current`` on
+each call, one module attribute, because patched functions run many times per forward.
+
+Every model an enabled ``initialize`` returns makes its run's policy current while its forward
+runs and restores the previous one afterwards, also when the forward raises, so the innermost
+amp model wins (a teacher called inside a student's forward computes as its own level says).
+Outside every amp model's forward the latest ``initialize``'s policy applies.
+
+``current`` is not thread-local: a thread-local read would cost every patched call and cannot be
+traced by torch.compile. So a model whose forward starts while another thread is inside the
+forward of a model that casts differently raises instead of computing at the wrong level; models
+that cast alike may run forward in several threads at once.
+"""
+import functools
+import threading
+
+from .._compat import is_compiling
+
+__all__ = ["current", "DISABLED", "set_outside", "outside", "casts_to", "track", "disabled",
+           "restore"]
+
+current = None
+# The policies that enclosing forwards (and the outside) will get back, innermost last.
+_outer = []
+# The thread that entered the outermost running amp forward.
+_owner = None
+
+
+class _Disabled:
+    """The policy inside ``amp.disable_casts()``: nothing is cast, but fp16/bf16 arguments to
+    in-place fp32 functions and banned functions are still refused, as under an active run."""
+    _is_active = False
+    patch_type = None
+    allow_banned = False
+
+
+DISABLED = _Disabled()
+
+
+def set_outside(policy):
+    """Make ``policy`` the one that applies outside every amp model's forward."""
+    global current
+    if _outer:
+        _outer[0] = policy
+    else:
+        current = policy
+
+
+def outside():
+    return _outer[0] if _outer else current
+
+
+def casts_to(policy):
+    """What ``policy`` casts to (None: nothing)."""
+    return policy.patch_type if policy is not None and policy._is_active else None
+
+
+def _enter_forward(policy, module, args):
+    global current, _owner
+    # Saved first: the forward hook restores it even when this hook raises.
+    _outer.append(current)
+    if not is_compiling():
+        thread = threading.get_ident()
+        if len(_outer) == 1:
+            _owner = thread
+        elif thread != _owner and casts_to(current) is not casts_to(policy):
+            raise RuntimeError(
+                f"{type(module).__name__}'s forward (amp casts: {casts_to(policy)}) started while "
+                f"another thread runs the forward of an amp model that casts to "
+                f"{casts_to(current)}. The O1/O4 casting policy is process-wide, not per thread: "
+                "run these models' forwards in one thread, or initialize them at one opt level.")
+    # Inside disable_casts, an O1/O4 model does not turn its casts back on.
+    current = DISABLED if policy is not None and current is DISABLED else policy
+
+
+def _exit_forward(module, args, output):
+    global current
+    current = _outer.pop()
+
+
+def track(model, policy):
+    """Run ``model``'s forward (its forward hooks included) under ``policy``."""
+    model.register_forward_pre_hook(functools.partial(_enter_forward, policy), prepend=True)
+    model.register_forward_hook(_exit_forward, always_call=True)
+
+
+def disabled():
+    """Enter ``disable_casts``: return what to restore with ``restore``."""
+    global current
+    previous = current
+    if previous is not None:
+        current = DISABLED
+    return previous
+
+
+def restore(previous):
+    global current
+    current = previous

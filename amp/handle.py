@@ -6,6 +6,8 @@ checks the arguments and does what the optimizers of one call share: the scaling
 check.
 """
 import contextlib
+import threading
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -82,12 +84,56 @@ def _check_no_shared_params(optimizers):
                     "exactly one optimizer.")
 
 
-def _begin_backward(controllers, set_aside_grads):
-    """Every optimizer enters the block, or none does: a nested block raises before any change."""
-    for controller in controllers:
-        controller.check_can_begin_backward()
-    for controller in controllers:
-        controller.begin_backward(set_aside_grads)
+# The thread whose scale_loss blocks hold each dynamic loss scaler, and how many it has open.
+# Blocks of two threads on one scaler would race: one block's exit updates the scale in place
+# while the other's loss, multiplied by it, still waits for its backward and its unscaling, and
+# each exit clears the overflow flag that the other is filling.
+_scaler_holders = weakref.WeakKeyDictionary()
+# Makes checking and taking a scaler, and the optimizers' phase changes, one step across threads.
+_blocks_lock = threading.Lock()
+
+
+def _check_scaler_free(scaler, loss_id):
+    holder = _scaler_holders.get(scaler)
+    if holder is not None and holder[0] != threading.get_ident():
+        raise RuntimeError(
+            f"amp.scale_loss: loss scaler {loss_id} of this amp.initialize call is in use by a "
+            "scale_loss block open in another thread. One dynamic loss scaler cannot serve two "
+            "threads at once: one block's scale update would change the scale that the other's "
+            "loss was multiplied by, and their overflow checks would mix. Give each thread its own "
+            "loss scaler: amp.initialize(..., num_losses=<number of threads>) and "
+            "amp.scale_loss(..., loss_id=<this thread's id>), or call amp.initialize once per thread.")
+
+
+def _begin_backward(controllers, set_aside_grads, scaler=None, loss_id=0):
+    """Every optimizer enters the block, or none does: a nested block raises before any change.
+
+    A dynamic ``scaler`` is taken for this thread until ``_release_scaler``; a block of another
+    thread that holds it raises, before any change, too.
+    """
+    hold = scaler is not None and scaler.dynamic
+    with _blocks_lock:
+        if hold:
+            _check_scaler_free(scaler, loss_id)
+        for controller in controllers:
+            controller.check_can_begin_backward()
+        for controller in controllers:
+            controller.begin_backward(set_aside_grads)
+        if hold:
+            _, depth = _scaler_holders.get(scaler, (None, 0))
+            _scaler_holders[scaler] = (threading.get_ident(), depth + 1)
+
+
+def _release_scaler(scaler):
+    """The block that ``_begin_backward`` opened on ``scaler`` is closed."""
+    if not scaler.dynamic:
+        return
+    with _blocks_lock:
+        thread, depth = _scaler_holders[scaler]
+        if depth == 1:
+            del _scaler_holders[scaler]
+        else:
+            _scaler_holders[scaler] = (thread, depth - 1)
 
 
 def _clear_cast_cache(context):
@@ -118,7 +164,9 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False,
 
     If the body raises, the gradients are put back as they were before the block. Misuse raises
     before anything changes: a nested block on the same optimizer, an optimizer twice, a
-    parameter shared by two optimizers, optimizers of different ``initialize`` calls.
+    parameter shared by two optimizers, optimizers of different ``initialize`` calls, a block
+    whose dynamic loss scaler is held by a block open in another thread (give each thread its
+    own ``loss_id``, or its own ``initialize`` call).
     """
     if optimizers is None:
         # Apex accepted None where the scale is a static 1.0 without masters (nothing to unscale).
@@ -151,7 +199,7 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False,
                         "only a static loss scale of 1.0 without master weights works without them.")
     if len(optimizers) > 1:
         _check_no_shared_params(optimizers)
-    _begin_backward(controllers, set_aside_grads=not delay_unscale)
+    _begin_backward(controllers, not delay_unscale, scaler, loss_id)
     try:
         yield loss.float() * scaler.scale_tensor(loss.device)
         _unscale_and_check(controllers, context, scaler, loss_id, delay_unscale, delay_overflow_check)
@@ -161,6 +209,7 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False,
             controller.abort_backward()
         raise
     finally:
+        _release_scaler(scaler)
         _clear_cast_cache(context)
 
 

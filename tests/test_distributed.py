@@ -1,4 +1,5 @@
-"""Two CPU processes (gloo): DDP after initialize, and the overflow agreement over a process group.
+"""Two CPU processes (gloo): DDP after initialize, other ways of syncing ranks, and the overflow
+agreement over a process group.
 
 Starting processes is the slow part, so one spawn runs every scenario and each rank writes what
 it saw to a JSON file; the tests below then check one behaviour each.
@@ -94,6 +95,70 @@ def ddp_state_dict_scenario(rank):
                 loaded=all(torch.equal(loaded[name], m) for name, m in masters.items()))
 
 
+def _broadcast_params(model, through_data):
+    with torch.no_grad():
+        for param in model.parameters():
+            dist.broadcast(param.data if through_data else param, 0)
+
+
+def _train(model, optimizer, steps, first=0):
+    """The same data on every rank: ranks that start alike must stay bit-identical without DDP."""
+    for step in range(first, first + steps):
+        with amp.scale_loss(loss_of(model(batch(step))), optimizer) as scaled_loss:
+            scaled_loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _identical_on_every_rank(model, optimizer):
+    return dict(params_equal=same_on_every_rank(list(model.parameters())),
+                masters_equal=same_on_every_rank(list(amp.master_params(optimizer))))
+
+
+def _initialized(seed, opt_level):
+    model = net(seed=seed)
+    return amp.initialize(model, sgd(model.parameters()), opt_level=opt_level, verbosity=0)
+
+
+def broadcast_scenario(rank, opt_level, through_data):
+    """Ranks seeded apart sync with dist.broadcast after initialize (as Horovod and Apex's DDP do)."""
+    model, optimizer = _initialized(rank, opt_level)
+    _broadcast_params(model, through_data)
+    _train(model, optimizer, 4)
+    return _identical_on_every_rank(model, optimizer)
+
+
+def broadcast_after_steps_scenario(opt_level, rank):
+    """Ranks in step for two steps; then rank 0 loads a checkpoint and broadcasts its weights."""
+    model, optimizer = _initialized(0, opt_level)
+    _train(model, optimizer, 2)
+    if rank == 0:
+        model.load_state_dict(net(seed=5).state_dict())
+    _broadcast_params(model, through_data=True)
+    _train(model, optimizer, 3, first=2)
+    return _identical_on_every_rank(model, optimizer)
+
+
+def state_dict_broadcast_scenario(opt_level, rank):
+    """Ranks seeded apart; rank 0's model.state_dict() (its fp32 masters) is broadcast and loaded."""
+    model, optimizer = _initialized(rank, opt_level)
+    state = [model.state_dict()]
+    dist.broadcast_object_list(state, 0)
+    if rank != 0:
+        model.load_state_dict(state[0])
+    _train(model, optimizer, 4)
+    return _identical_on_every_rank(model, optimizer)
+
+
+def synced_scenarios(rank):
+    """Every way of syncing ranks without DDP, at O2 and O5: ``{way: {level: result}}``."""
+    ways = {"broadcast(p)": lambda level: broadcast_scenario(rank, level, through_data=False),
+            "broadcast(p.data)": lambda level: broadcast_scenario(rank, level, through_data=True),
+            "broadcast after steps": lambda level: broadcast_after_steps_scenario(level, rank),
+            "state_dict broadcast": lambda level: state_dict_broadcast_scenario(level, rank)}
+    return {way: {level: scenario(level) for level in ("O2", "O5")} for way, scenario in ways.items()}
+
+
 def group_scenario(rank, group):
     """No DDP; only rank 0's local grads hold an inf at step 1."""
     model = net()
@@ -125,6 +190,7 @@ def worker(rank, port, out_dir):
     results = dict(ddp=ddp_scenario(rank),
                    seeded_apart={level: seeded_apart_scenario(rank, level) for level in ("O2", "O5")},
                    ddp_state_dict=ddp_state_dict_scenario(rank),
+                   synced=synced_scenarios(rank),
                    group_world=group_scenario(rank, dist.group.WORLD),
                    new_group=group_scenario(rank, dist.new_group(list(range(WORLD)))),
                    wrapped_error=wrapped_model_error())
@@ -164,6 +230,14 @@ def test_o2_model_in_ddp_skips_on_both_ranks_when_one_rank_loss_is_inf(ranks):
 def test_ranks_seeded_apart_train_bit_identically_after_ddp_broadcasts_rank_0s_weights(ranks, opt_level):
     for result in ranks:
         assert result["seeded_apart"][opt_level] == dict(params_equal=True, masters_equal=True)
+
+
+@pytest.mark.parametrize("opt_level", ["O2", "O5"])
+@pytest.mark.parametrize("way", ["broadcast(p)", "broadcast(p.data)", "broadcast after steps",
+                                 "state_dict broadcast"])
+def test_ranks_synced_without_ddp_train_bit_identically(ranks, way, opt_level):
+    for result in ranks:
+        assert result["synced"][way][opt_level] == dict(params_equal=True, masters_equal=True)
 
 
 def test_state_dict_through_ddp_saves_and_loads_the_fp32_masters(ranks):

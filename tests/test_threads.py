@@ -1,4 +1,5 @@
-"""scale_loss blocks in several threads: one dynamic loss scaler serves one thread at a time.
+"""scale_loss blocks sharing a dynamic loss scaler: one thread at a time; nested blocks of one thread
+each unscale by the scale they multiplied their loss by.
 
 The overlaps are made certain with events and barriers, not left to timing. Each concurrent run is
 compared with the same runs trained one after the other in one thread.
@@ -128,3 +129,18 @@ def test_nested_blocks_of_one_thread_on_one_scaler_over_different_optimizers_sti
             inner.backward()
     grads = [[p.grad for p in amp.master_params(o)] for o in optimizers]
     assert_identical(grads, [[p.grad for p in amp.master_params(o)] for o in expected_optimizers])
+
+
+def test_an_outer_block_unscales_by_its_own_scale_after_a_nested_block_changed_the_scale():
+    models, optimizers = _pair("O2")
+    expected_models, expected_optimizers = _pair("O2")
+    with amp.scale_loss(loss_of(expected_models[0](batch(0))), expected_optimizers[0]) as loss:
+        loss.backward()
+    with amp.scale_loss(loss_of(models[0](batch(0))), optimizers[0]) as outer:
+        outer.backward()
+        with amp.scale_loss(loss_of(models[1](batch(1))), optimizers[1]) as inner:
+            inner.backward()
+            poison_grad(models[1].fc1.weight)
+        assert amp.loss_scale(0, optimizers[0]) == 2.0**15  # the outer loss was multiplied by 2**16
+    assert_identical([p.grad for p in amp.master_params(optimizers[0])],
+                     [p.grad for p in amp.master_params(expected_optimizers[0])])

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from ._master_weights import LOW_PRECISION_DTYPES
 
-__all__ = ["WRITING_CALLS", "param_was_written", "take_written", "watch"]
+__all__ = ["WRITING_CALLS", "group_size_of_write", "take_written", "watch"]
 
 # The calls that write into their first argument (a tensor or a list of tensors). send and isend only
 # read it; they mark the sender's params because the receiver's recv marks its own.
@@ -30,7 +30,8 @@ WRITING_CALLS = ("broadcast", "all_reduce", "reduce", "scatter", "all_gather", "
                  "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single",
                  "send", "recv", "isend", "irecv")
 
-# controller -> storage addresses of its watched params; controller -> those written since its last step.
+# controller -> storage addresses of its watched params;
+# controller -> {storage address written since its last step: size of the largest group that wrote it}.
 _watched = weakref.WeakKeyDictionary()
 _written = weakref.WeakKeyDictionary()
 _installed = False
@@ -41,25 +42,29 @@ def _storage(tensor):
 
 
 def watch(controller, params):
-    """Mark ``params`` (``controller``'s, all of them) written when a torch.distributed call writes them."""
-    _watched[controller] = {_storage(param) for param in params}
+    """Mark ``params`` (of ``controller``) written when a torch.distributed call writes them."""
+    _watched.setdefault(controller, set()).update(_storage(param) for param in params)
     if not _installed:
         _wrap_writing_calls()
 
 
 def take_written(controller):
-    """The storage addresses of ``controller``'s params written by a call since the last take (usually none)."""
+    """``controller``'s params written by a call since the last take (usually none), for ``group_size_of_write``."""
     if not _written:
-        return frozenset()
-    return _written.pop(controller, frozenset())
+        return {}
+    return _written.pop(controller, {})
 
 
-def param_was_written(param, written):
-    """Whether ``param`` lives in one of the ``written`` storages (from ``take_written``)."""
-    return _storage(param) in written
+def group_size_of_write(param, written):
+    """The size of the largest process group whose call wrote ``param`` (``written``: ``take_written``'s); 0: none.
+
+    In a group of one there is no other rank to agree with: such a write is treated like one that
+    bumped the version (the master is kept if it still rounds to the param).
+    """
+    return written.get(_storage(param), 0)
 
 
-def _note_written(tensors):
+def _note_written(tensors, group):
     if isinstance(tensors, torch.Tensor):
         tensors = [tensors]
     elif not isinstance(tensors, (list, tuple)):
@@ -71,23 +76,28 @@ def _note_written(tensors):
                 storages.add(_storage(tensor))
             except (RuntimeError, NotImplementedError):
                 pass  # no storage of its own (a sparse tensor, a DTensor): not a watched param's
+    size = None
     for controller, watched in list(_watched.items()):
         hit = storages & watched
         if hit:
-            _written[controller] = _written.get(controller, frozenset()) | hit
+            size = dist.get_world_size(group) if size is None else size
+            marks = _written.setdefault(controller, {})
+            for storage in hit:
+                marks[storage] = max(marks.get(storage, 0), size)
 
 
 def _noting_writes(call):
-    first = next(iter(inspect.signature(call).parameters))
+    names = list(inspect.signature(call).parameters)
+    group_index = names.index("group") if "group" in names else len(names)
 
     @functools.wraps(call)
     def noting(*args, **kwargs):
         result = call(*args, **kwargs)
         if _watched:
-            _note_written(args[0] if args else kwargs.get(first))
+            group = kwargs.get("group", args[group_index] if len(args) > group_index else None)
+            _note_written(args[0] if args else kwargs.get(names[0]), group)
         return result
     return noting
-
 
 def _wrap_writing_calls():
     """Wrap ``WRITING_CALLS`` in ``torch.distributed`` (and ``distributed_c10d``, where they live), once."""

@@ -437,7 +437,7 @@ class WithMasterWeights(OptimizerController):
         self.all_fp16_grad_stash += [None for _ in fp16_params]
         self.master_grad_buffers += [None for _ in masters]
         self.all_fp32_from_fp32_grad_stash += [None for _ in fp32_params]
-        _collective_writes.watch(self, self.all_fp16_params)
+        _collective_writes.watch(self, fp16_params)
 
     def model_params(self):
         """The model's own parameters this optimizer trains (not the masters)."""
@@ -529,9 +529,10 @@ class WithMasterWeights(OptimizerController):
         round alike from different fp32 values, so it is replaced.
 
         Collectives (``dist.broadcast(p, 0)``, also through ``p.data``) do not bump the version; a
-        param that one wrote is seen by ``_collective_writes`` on every rank, and its master is
-        replaced on every rank whatever the values, so that all ranks hold the same masters. Other
-        writes through ``param.data`` bypass the version counter and go unseen.
+        param that one wrote is seen by ``_collective_writes`` on every rank of the group, and its
+        master is replaced on every rank whatever the values, so that all ranks hold the same
+        masters (in a group of one rank, the rule above applies). Other writes through
+        ``param.data`` bypass the version counter and go unseen.
         """
         written = _collective_writes.take_written(self)
         versions = [param._version for param in self.all_fp16_params]
@@ -541,10 +542,11 @@ class WithMasterWeights(OptimizerController):
         with torch.no_grad():
             pairs = zip(self.all_fp16_params, self.all_fp32_from_fp16_params)
             for index, (param, master) in enumerate(pairs):
-                if written and _collective_writes.param_was_written(param, written):
+                group_size = _collective_writes.group_size_of_write(param, written) if written else 0
+                if group_size > 1:
                     master.copy_(param)
                     continue
-                if index < len(recorded) and recorded[index] == versions[index]:
+                if not group_size and index < len(recorded) and recorded[index] == versions[index]:
                     continue
                 if master._version == 0 or not torch.equal(master.to(param.dtype), param):
                     master.copy_(param)

@@ -150,6 +150,22 @@ def state_dict_broadcast_scenario(opt_level, rank):
     return _identical_on_every_rank(model, optimizer)
 
 
+def one_rank_group_scenario(rank, own_group):
+    """A broadcast within a group of this rank alone, after two steps: other ranks need not agree,
+    so the masters keep their fp32 bits, as in a run without the broadcast."""
+    masters = []
+    for broadcast in (False, True):
+        model, optimizer = _initialized(0, "O2")
+        _train(model, optimizer, 2)
+        if broadcast:
+            with torch.no_grad():
+                for param in model.parameters():
+                    dist.broadcast(param.data, rank, group=own_group)
+        _train(model, optimizer, 2, first=2)
+        masters.append([m.detach() for m in amp.master_params(optimizer)])
+    return all(torch.equal(a, b) for a, b in zip(*masters))
+
+
 def synced_scenarios(rank):
     """Every way of syncing ranks without DDP, at O2 and O5: ``{way: {level: result}}``."""
     ways = {"broadcast(p)": lambda level: broadcast_scenario(rank, level, through_data=False),
@@ -187,10 +203,12 @@ def wrapped_model_error():
 
 def worker(rank, port, out_dir):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    own_groups = [dist.new_group([r]) for r in range(WORLD)]  # every rank creates every group
     results = dict(ddp=ddp_scenario(rank),
                    seeded_apart={level: seeded_apart_scenario(rank, level) for level in ("O2", "O5")},
                    ddp_state_dict=ddp_state_dict_scenario(rank),
                    synced=synced_scenarios(rank),
+                   one_rank_group=one_rank_group_scenario(rank, own_groups[rank]),
                    group_world=group_scenario(rank, dist.group.WORLD),
                    new_group=group_scenario(rank, dist.new_group(list(range(WORLD)))),
                    wrapped_error=wrapped_model_error())
@@ -238,6 +256,10 @@ def test_ranks_seeded_apart_train_bit_identically_after_ddp_broadcasts_rank_0s_w
 def test_ranks_synced_without_ddp_train_bit_identically(ranks, way, opt_level):
     for result in ranks:
         assert result["synced"][way][opt_level] == dict(params_equal=True, masters_equal=True)
+
+
+def test_a_broadcast_within_a_one_rank_group_keeps_the_fp32_masters(ranks):
+    assert [r["one_rank_group"] for r in ranks] == [True] * WORLD
 
 
 def test_state_dict_through_ddp_saves_and_loads_the_fp32_masters(ranks):

@@ -99,6 +99,7 @@ def _noting_writes(call):
         return result
     return noting
 
+
 def _wrap_writing_calls():
     """Wrap ``WRITING_CALLS`` in ``torch.distributed`` (and ``distributed_c10d``, where they live), once."""
     global _installed

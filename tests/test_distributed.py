@@ -166,6 +166,24 @@ def one_rank_group_scenario(rank, own_group):
     return all(torch.equal(a, b) for a, b in zip(*masters))
 
 
+def grad_collective_scenario():
+    """A collective on the grads inside the block (as hand-written data parallelism does) writes
+    no param: the masters keep their fp32 bits, as in a run without it."""
+    masters = []
+    for sync_grads in (False, True):
+        model, optimizer = _initialized(0, "O2")
+        for step in range(3):
+            with amp.scale_loss(loss_of(model(batch(step))), optimizer) as scaled_loss:
+                scaled_loss.backward()
+                if sync_grads:
+                    for param in model.parameters():
+                        dist.broadcast(param.grad, 0)  # the same grads on every rank: values unchanged
+            optimizer.step()
+            optimizer.zero_grad()
+        masters.append([m.detach() for m in amp.master_params(optimizer)])
+    return all(torch.equal(a, b) for a, b in zip(*masters))
+
+
 def synced_scenarios(rank):
     """Every way of syncing ranks without DDP, at O2 and O5: ``{way: {level: result}}``."""
     ways = {"broadcast(p)": lambda level: broadcast_scenario(rank, level, through_data=False),
@@ -209,6 +227,7 @@ def worker(rank, port, out_dir):
                    ddp_state_dict=ddp_state_dict_scenario(rank),
                    synced=synced_scenarios(rank),
                    one_rank_group=one_rank_group_scenario(rank, own_groups[rank]),
+                   grad_collective=grad_collective_scenario(),
                    group_world=group_scenario(rank, dist.group.WORLD),
                    new_group=group_scenario(rank, dist.new_group(list(range(WORLD)))),
                    wrapped_error=wrapped_model_error())
@@ -260,6 +279,10 @@ def test_ranks_synced_without_ddp_train_bit_identically(ranks, way, opt_level):
 
 def test_a_broadcast_within_a_one_rank_group_keeps_the_fp32_masters(ranks):
     assert [r["one_rank_group"] for r in ranks] == [True] * WORLD
+
+
+def test_a_collective_on_the_grads_leaves_the_fp32_masters_alone(ranks):
+    assert [r["grad_collective"] for r in ranks] == [True] * WORLD
 
 
 def test_state_dict_through_ddp_saves_and_loads_the_fp32_masters(ranks):

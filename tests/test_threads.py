@@ -7,7 +7,6 @@ compared with the same runs trained one after the other in one thread.
 import threading
 
 import pytest
-import torch
 
 import amp
 from amp_common import assert_identical, batch, loss_of, net, poison_grad, sgd, snapshot
@@ -16,11 +15,11 @@ from amp_common import assert_identical, batch, loss_of, net, poison_grad, sgd, 
 WAIT_S = 30
 
 
-def _pair(opt_level, **kwargs):
+def _pair(opt_level, separate=False, **kwargs):
     """Two models and their optimizers; one initialize call unless ``separate``."""
     models = [net(seed=1), net(seed=2)]
     optimizers = [sgd(m.parameters()) for m in models]
-    if kwargs.pop("separate", False):
+    if separate:
         return tuple(zip(*(amp.initialize(m, o, opt_level=opt_level, verbosity=0)
                            for m, o in zip(models, optimizers))))
     return amp.initialize(models, optimizers, opt_level=opt_level, verbosity=0, **kwargs)

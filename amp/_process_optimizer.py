@@ -23,7 +23,7 @@ import warnings
 import torch
 from torch.optim.optimizer import required
 
-from . import casting
+from . import _collective_writes, casting
 from ._compat import (LR_SCHEDULER_STEP_MARKS, coalesced_sparse_coo_tensor, optimizer_accepts_found_inf,
                       record_step_for_lr_scheduler)
 from ._master_weights import LOW_PRECISION_DTYPES, check_trainable_dtype, swap_in_fp32_masters
@@ -438,6 +438,7 @@ class WithMasterWeights(OptimizerController):
         self.all_fp16_grad_stash += [None for _ in fp16_params]
         self.master_grad_buffers += [None for _ in masters]
         self.all_fp32_from_fp32_grad_stash += [None for _ in fp32_params]
+        _collective_writes.watch(self, fp16_params)
 
     def model_params(self):
         """The model's own parameters this optimizer trains (not the masters)."""
@@ -526,17 +527,27 @@ class WithMasterWeights(OptimizerController):
         written since it was made (by a step, or by loading a checkpoint through the model): the param
         was then rounded from it, and its extra fp32 bits are the same on every rank. An untouched
         master holds this process's own initial weights, which another rank's broadcast weights may
-        round alike from different fp32 values, so it is replaced. Writes through ``param.data``
-        bypass the version counter and go unseen.
+        round alike from different fp32 values, so it is replaced.
+
+        Collectives (``dist.broadcast(p, 0)``, also through ``p.data``) do not bump the version; a
+        param that one wrote is seen by ``_collective_writes`` on every rank of the group, and its
+        master is replaced on every rank whatever the values, so that all ranks hold the same
+        masters (in a group of one rank, the rule above applies). Other writes through
+        ``param.data`` bypass the version counter and go unseen.
         """
+        written = _collective_writes.take_written(self)
         versions = [param._version for param in self.all_fp16_params]
         recorded = self.model_versions
-        if versions == recorded:
+        if versions == recorded and not written:
             return
         with torch.no_grad():
             pairs = zip(self.all_fp16_params, self.all_fp32_from_fp16_params)
             for index, (param, master) in enumerate(pairs):
-                if index < len(recorded) and recorded[index] == versions[index]:
+                group_size = _collective_writes.group_size_of_write(param, written) if written else 0
+                if group_size > 1:
+                    master.copy_(param)
+                    continue
+                if not group_size and index < len(recorded) and recorded[index] == versions[index]:
                     continue
                 if master._version == 0 or not torch.equal(master.to(param.dtype), param):
                     master.copy_(param)

@@ -6,6 +6,8 @@ checks the arguments and does what the optimizers of one call share: the scaling
 check.
 """
 import contextlib
+import threading
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -82,12 +84,87 @@ def _check_no_shared_params(optimizers):
                     "exactly one optimizer.")
 
 
-def _begin_backward(controllers, set_aside_grads):
-    """Every optimizer enters the block, or none does: a nested block raises before any change."""
-    for controller in controllers:
-        controller.check_can_begin_backward()
-    for controller in controllers:
-        controller.begin_backward(set_aside_grads)
+# The thread whose scale_loss blocks hold each dynamic loss scaler, and its open blocks there
+# (innermost last). Blocks of two threads on one scaler would race: one block's exit updates the
+# scale in place while the other's loss, multiplied by it, still waits for its backward and its
+# unscaling, and each exit clears the overflow flag that the other is filling.
+_scaler_holders = weakref.WeakKeyDictionary()
+# Makes checking and taking a scaler, and the optimizers' phase changes, one step across threads.
+_blocks_lock = threading.Lock()
+
+
+def _check_scaler_free(scaler, loss_id):
+    holder = _scaler_holders.get(scaler)
+    if holder is not None and holder[0] != threading.get_ident():
+        raise RuntimeError(
+            f"amp.scale_loss: loss scaler {loss_id} of this amp.initialize call is in use by a "
+            "scale_loss block open in another thread. One dynamic loss scaler cannot serve two "
+            "threads at once: one block's scale update would change the scale that the other's "
+            "loss was multiplied by, and their overflow checks would mix. Give each thread its own "
+            "loss scaler: amp.initialize(..., num_losses=<number of threads>) and "
+            "amp.scale_loss(..., loss_id=<this thread's id>), or call amp.initialize once per thread.")
+
+
+class _OpenBlock:
+    """A block open on a dynamic scaler. ``scale``: a copy of the scale its loss was multiplied by,
+    taken when a nested block of its thread opened on the same scaler (that block's exit updates it)."""
+
+    __slots__ = ("scale",)
+
+    def __init__(self):
+        self.scale = None
+
+
+class _ScaledBy:
+    """``scaler``, unscaling by ``scale`` (a tensor) in place of its current scale."""
+
+    def __init__(self, scaler, scale):
+        self.scaler, self.scale = scaler, scale
+
+    def unscale(self, model_grads, master_grads, unused_scale, models_are_masters=False):
+        self.scaler.unscale(model_grads, master_grads, unused_scale, models_are_masters, scale_override=self.scale)
+
+    def unscale_with_stashed(self, model_grads, stashed_master_grads, master_grads):
+        self.scaler.unscale_with_stashed(model_grads, stashed_master_grads, master_grads,
+                                         scale_override=(self.scale, 1.0, 1.0))
+
+
+def _begin_backward(controllers, set_aside_grads, scaler=None, loss_id=0):
+    """Every optimizer enters the block, or none does: a nested block raises before any change.
+
+    A dynamic ``scaler`` is taken for this thread until ``_release_scaler``; a block of another
+    thread that holds it raises, before any change, too. Returns this block's ``_OpenBlock``
+    (None without a dynamic scaler).
+    """
+    hold = scaler is not None and scaler.dynamic
+    with _blocks_lock:
+        if hold:
+            _check_scaler_free(scaler, loss_id)
+        for controller in controllers:
+            controller.check_can_begin_backward()
+        for controller in controllers:
+            controller.begin_backward(set_aside_grads)
+        if not hold:
+            return None
+        block = _OpenBlock()
+        _, blocks = _scaler_holders.setdefault(scaler, (threading.get_ident(), []))
+        if blocks and blocks[-1].scale is None:
+            # Only the exit of a block nested in the enclosing one updates the scale, and this is the
+            # first such block: the scale is still the one the enclosing block multiplied its loss by.
+            blocks[-1].scale = scaler.scale_tensor_copy()
+        blocks.append(block)
+        return block
+
+
+def _release_scaler(scaler, block):
+    """``block``, opened on ``scaler`` by ``_begin_backward``, is closed."""
+    if block is None:
+        return
+    with _blocks_lock:
+        _, blocks = _scaler_holders[scaler]
+        blocks.remove(block)
+        if not blocks:
+            del _scaler_holders[scaler]
 
 
 def _clear_cast_cache(context):
@@ -118,7 +195,9 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False,
 
     If the body raises, the gradients are put back as they were before the block. Misuse raises
     before anything changes: a nested block on the same optimizer, an optimizer twice, a
-    parameter shared by two optimizers, optimizers of different ``initialize`` calls.
+    parameter shared by two optimizers, optimizers of different ``initialize`` calls, a block
+    whose dynamic loss scaler is held by a block open in another thread (give each thread its
+    own ``loss_id``, or its own ``initialize`` call).
     """
     if optimizers is None:
         # Apex accepted None where the scale is a static 1.0 without masters (nothing to unscale).
@@ -151,27 +230,30 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False,
                         "only a static loss scale of 1.0 without master weights works without them.")
     if len(optimizers) > 1:
         _check_no_shared_params(optimizers)
-    _begin_backward(controllers, set_aside_grads=not delay_unscale)
+    block = _begin_backward(controllers, not delay_unscale, scaler, loss_id)
     try:
         yield loss.float() * scaler.scale_tensor(loss.device)
-        _unscale_and_check(controllers, context, scaler, loss_id, delay_unscale, delay_overflow_check)
+        _unscale_and_check(controllers, context, scaler, loss_id, delay_unscale, delay_overflow_check, block)
     except BaseException:
         # Optimizers whose gradients were not unscaled get back those from before the block.
         for controller in controllers:
             controller.abort_backward()
         raise
     finally:
+        _release_scaler(scaler, block)
         _clear_cast_cache(context)
 
 
-def _unscale_and_check(controllers, context, scaler, loss_id, delay_unscale, delay_overflow_check):
+def _unscale_and_check(controllers, context, scaler, loss_id, delay_unscale, delay_overflow_check, block):
     if delay_unscale:
         for controller in controllers:
             controller.end_backward(None)
         return
     scaler.clear_overflow_state()
+    # A nested block may have updated the scale since this block's loss was multiplied by it.
+    unscaler = scaler if block is None or block.scale is None else _ScaledBy(scaler, block.scale)
     for controller in controllers:
-        controller.end_backward(scaler)
+        controller.end_backward(unscaler)
     if delay_overflow_check:
         return
     group = context.overflow_process_group

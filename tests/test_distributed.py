@@ -1,4 +1,5 @@
-"""Two CPU processes (gloo): DDP after initialize, and the overflow agreement over a process group.
+"""Two CPU processes (gloo): DDP after initialize, other ways of syncing ranks, and the overflow
+agreement over a process group.
 
 Starting processes is the slow part, so one spawn runs every scenario and each rank writes what
 it saw to a JSON file; the tests below then check one behaviour each.
@@ -94,6 +95,104 @@ def ddp_state_dict_scenario(rank):
                 loaded=all(torch.equal(loaded[name], m) for name, m in masters.items()))
 
 
+def _broadcast_params(model, through_data):
+    with torch.no_grad():
+        for param in model.parameters():
+            dist.broadcast(param.data if through_data else param, 0)
+
+
+def _train(model, optimizer, steps, first=0):
+    """The same data on every rank: ranks that start alike must stay bit-identical without DDP."""
+    for step in range(first, first + steps):
+        with amp.scale_loss(loss_of(model(batch(step))), optimizer) as scaled_loss:
+            scaled_loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _identical_on_every_rank(model, optimizer):
+    return dict(params_equal=same_on_every_rank(list(model.parameters())),
+                masters_equal=same_on_every_rank(list(amp.master_params(optimizer))))
+
+
+def _initialized(seed, opt_level):
+    model = net(seed=seed)
+    return amp.initialize(model, sgd(model.parameters()), opt_level=opt_level, verbosity=0)
+
+
+def broadcast_scenario(rank, opt_level, through_data):
+    """Ranks seeded apart sync with dist.broadcast after initialize (as Horovod and Apex's DDP do)."""
+    model, optimizer = _initialized(rank, opt_level)
+    _broadcast_params(model, through_data)
+    _train(model, optimizer, 4)
+    return _identical_on_every_rank(model, optimizer)
+
+
+def broadcast_after_steps_scenario(opt_level, rank):
+    """Ranks in step for two steps; then rank 0 loads a checkpoint and broadcasts its weights."""
+    model, optimizer = _initialized(0, opt_level)
+    _train(model, optimizer, 2)
+    if rank == 0:
+        model.load_state_dict(net(seed=5).state_dict())
+    _broadcast_params(model, through_data=True)
+    _train(model, optimizer, 3, first=2)
+    return _identical_on_every_rank(model, optimizer)
+
+
+def state_dict_broadcast_scenario(opt_level, rank):
+    """Ranks seeded apart; rank 0's model.state_dict() (its fp32 masters) is broadcast and loaded."""
+    model, optimizer = _initialized(rank, opt_level)
+    state = [model.state_dict()]
+    dist.broadcast_object_list(state, 0)
+    if rank != 0:
+        model.load_state_dict(state[0])
+    _train(model, optimizer, 4)
+    return _identical_on_every_rank(model, optimizer)
+
+
+def one_rank_group_scenario(rank, own_group):
+    """A broadcast within a group of this rank alone, after two steps: other ranks need not agree,
+    so the masters keep their fp32 bits, as in a run without the broadcast."""
+    masters = []
+    for broadcast in (False, True):
+        model, optimizer = _initialized(0, "O2")
+        _train(model, optimizer, 2)
+        if broadcast:
+            with torch.no_grad():
+                for param in model.parameters():
+                    dist.broadcast(param.data, rank, group=own_group)
+        _train(model, optimizer, 2, first=2)
+        masters.append([m.detach() for m in amp.master_params(optimizer)])
+    return all(torch.equal(a, b) for a, b in zip(*masters))
+
+
+def grad_collective_scenario():
+    """A collective on the grads inside the block (as hand-written data parallelism does) writes
+    no param: the masters keep their fp32 bits, as in a run without it."""
+    masters = []
+    for sync_grads in (False, True):
+        model, optimizer = _initialized(0, "O2")
+        for step in range(3):
+            with amp.scale_loss(loss_of(model(batch(step))), optimizer) as scaled_loss:
+                scaled_loss.backward()
+                if sync_grads:
+                    for param in model.parameters():
+                        dist.broadcast(param.grad, 0)  # the same grads on every rank: values unchanged
+            optimizer.step()
+            optimizer.zero_grad()
+        masters.append([m.detach() for m in amp.master_params(optimizer)])
+    return all(torch.equal(a, b) for a, b in zip(*masters))
+
+
+def synced_scenarios(rank):
+    """Every way of syncing ranks without DDP, at O2 and O5: ``{way: {level: result}}``."""
+    ways = {"broadcast(p)": lambda level: broadcast_scenario(rank, level, through_data=False),
+            "broadcast(p.data)": lambda level: broadcast_scenario(rank, level, through_data=True),
+            "broadcast after steps": lambda level: broadcast_after_steps_scenario(level, rank),
+            "state_dict broadcast": lambda level: state_dict_broadcast_scenario(level, rank)}
+    return {way: {level: scenario(level) for level in ("O2", "O5")} for way, scenario in ways.items()}
+
+
 def group_scenario(rank, group):
     """No DDP; only rank 0's local grads hold an inf at step 1."""
     model = net()
@@ -122,9 +221,13 @@ def wrapped_model_error():
 
 def worker(rank, port, out_dir):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    own_groups = [dist.new_group([r]) for r in range(WORLD)]  # every rank creates every group
     results = dict(ddp=ddp_scenario(rank),
                    seeded_apart={level: seeded_apart_scenario(rank, level) for level in ("O2", "O5")},
                    ddp_state_dict=ddp_state_dict_scenario(rank),
+                   synced=synced_scenarios(rank),
+                   one_rank_group=one_rank_group_scenario(rank, own_groups[rank]),
+                   grad_collective=grad_collective_scenario(),
                    group_world=group_scenario(rank, dist.group.WORLD),
                    new_group=group_scenario(rank, dist.new_group(list(range(WORLD)))),
                    wrapped_error=wrapped_model_error())
@@ -164,6 +267,22 @@ def test_o2_model_in_ddp_skips_on_both_ranks_when_one_rank_loss_is_inf(ranks):
 def test_ranks_seeded_apart_train_bit_identically_after_ddp_broadcasts_rank_0s_weights(ranks, opt_level):
     for result in ranks:
         assert result["seeded_apart"][opt_level] == dict(params_equal=True, masters_equal=True)
+
+
+@pytest.mark.parametrize("opt_level", ["O2", "O5"])
+@pytest.mark.parametrize("way", ["broadcast(p)", "broadcast(p.data)", "broadcast after steps",
+                                 "state_dict broadcast"])
+def test_ranks_synced_without_ddp_train_bit_identically(ranks, way, opt_level):
+    for result in ranks:
+        assert result["synced"][way][opt_level] == dict(params_equal=True, masters_equal=True)
+
+
+def test_a_broadcast_within_a_one_rank_group_keeps_the_fp32_masters(ranks):
+    assert [r["one_rank_group"] for r in ranks] == [True] * WORLD
+
+
+def test_a_collective_on_the_grads_leaves_the_fp32_masters_alone(ranks):
+    assert [r["grad_collective"] for r in ranks] == [True] * WORLD
 
 
 def test_state_dict_through_ddp_saves_and_loads_the_fp32_masters(ranks):

@@ -1,0 +1,104 @@
+"""``SyncBatchNorm`` and ``convert_syncbn_model`` with Apex's signatures, on torch's SyncBatchNorm.
+
+torch's ``SyncBatchNorm`` refuses CPU inputs when it has to synchronise (training, with a process
+group of more than one rank): it raises "SyncBatchNorm expected input tensor to be on GPU". So that
+Apex-era scripts also train on CPU (gloo), this subclass computes the synchronised statistics of a
+CPU input itself: two autograd-aware all-reduces (the per-channel sums and counts, then the sums
+of squared deviations), which also sum the gradients of the statistics across ranks in backward.
+Every other case (GPU inputs, evaluation, a single rank) is torch's own forward.
+"""
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.nn import functional as dist_autograd
+
+__all__ = ["SyncBatchNorm", "convert_syncbn_model"]
+
+
+class SyncBatchNorm(nn.SyncBatchNorm):
+    """Batch normalisation whose statistics are taken over the whole process group.
+
+    Apex's signature: ``SyncBatchNorm(num_features, eps=1e-5, momentum=0.1, affine=True,
+    track_running_stats=True, process_group=None, channel_last=False, fuse_relu=False)``.
+    ``channel_last`` is accepted (torch reads the memory format of the input itself);
+    ``fuse_relu=True`` is refused (apply ``torch.relu`` after the layer).
+    """
+
+    def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True, track_running_stats=True,
+                 process_group=None, channel_last=False, fuse_relu=False):
+        if fuse_relu:
+            raise ValueError("SyncBatchNorm(fuse_relu=True) is Apex's fused CUDA kernel, not offered: "
+                             "apply torch.relu (or nn.ReLU) after the layer instead.")
+        super().__init__(num_features, eps=eps, momentum=momentum, affine=affine,
+                         track_running_stats=track_running_stats, process_group=process_group)
+        self.channel_last = channel_last
+
+    def _group_size(self):
+        if not (dist.is_available() and dist.is_initialized()):
+            return 1
+        return dist.get_world_size(self.process_group or dist.group.WORLD)
+
+    def forward(self, input):
+        if input.device.type == "cpu" and self.training and self._group_size() > 1:
+            self._check_input_dim(input)
+            return self._cpu_synchronised_forward(input)
+        return super().forward(input)
+
+    def _cpu_synchronised_forward(self, input):
+        group = self.process_group or dist.group.WORLD
+        channels = input.shape[1]
+        dims = [0] + list(range(2, input.dim()))
+        x = input.float()
+        count = torch.tensor([x.numel() / channels], dtype=torch.float32)
+        totals = dist_autograd.all_reduce(torch.cat([x.sum(dims), count]), group=group)
+        n = totals[channels]
+        mean = totals[:channels] / n
+        view = [1, channels] + [1] * (input.dim() - 2)
+        centred = x - mean.view(view)
+        # Two passes (mean first) keep the variance exact where sum(x^2) - n*mean^2 would cancel.
+        var = dist_autograd.all_reduce((centred * centred).sum(dims), group=group) / n
+        if self.track_running_stats:
+            self._update_running_stats(mean.detach(), var.detach(), n.detach())
+        out = centred * torch.rsqrt(var + self.eps).view(view)
+        if self.affine:
+            out = out * self.weight.float().view(view) + self.bias.float().view(view)
+        return out.to(input.dtype)
+
+    @torch.no_grad()
+    def _update_running_stats(self, mean, var, n):
+        self.num_batches_tracked.add_(1)
+        factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+        unbiased = var * (n / (n - 1)) if n > 1 else var
+        self.running_mean.lerp_(mean.to(self.running_mean.dtype), factor)
+        self.running_var.lerp_(unbiased.to(self.running_var.dtype), factor)
+
+
+def convert_syncbn_model(module, process_group=None, channel_last=False):
+    """Return ``module`` with every BatchNorm layer replaced by a ``SyncBatchNorm`` (Apex's API).
+
+    Weights, buffers, ``requires_grad`` and the train/eval mode are carried over; the layers share
+    no storage with the originals. ``module`` itself is returned if it contains no BatchNorm.
+    """
+    if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(module, SyncBatchNorm):
+        converted = SyncBatchNorm(module.num_features, module.eps, module.momentum, module.affine,
+                                  module.track_running_stats, process_group, channel_last)
+        floats = [t for t in list(module.parameters()) + list(module.buffers()) if t.is_floating_point()]
+        if floats:
+            converted.to(device=floats[0].device, dtype=floats[0].dtype)
+        with torch.no_grad():
+            if module.affine:
+                converted.weight.copy_(module.weight)
+                converted.bias.copy_(module.bias)
+                converted.weight.requires_grad_(module.weight.requires_grad)
+                converted.bias.requires_grad_(module.bias.requires_grad)
+            if module.track_running_stats:
+                converted.running_mean.copy_(module.running_mean)
+                converted.running_var.copy_(module.running_var)
+                converted.num_batches_tracked.copy_(module.num_batches_tracked)
+        converted.train(module.training)
+        return converted
+    for name, child in module.named_children():
+        converted = convert_syncbn_model(child, process_group, channel_last)
+        if converted is not child:
+            setattr(module, name, converted)
+    return module

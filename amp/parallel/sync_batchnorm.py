@@ -1,11 +1,12 @@
-"""``SyncBatchNorm`` and ``convert_syncbn_model`` with Apex's signatures, on torch's SyncBatchNorm.
+"""``SyncBatchNorm`` and ``convert_syncbn_model`` with Apex's signatures.
 
-torch's ``SyncBatchNorm`` refuses CPU inputs when it has to synchronise (training, with a process
-group of more than one rank): it raises "SyncBatchNorm expected input tensor to be on GPU". So that
-Apex-era scripts also train on CPU (gloo), this subclass computes the synchronised statistics of a
-CPU input itself: two autograd-aware all-reduces (the per-channel sums and counts, then the sums
-of squared deviations), which also sum the gradients of the statistics across ranks in backward.
-Every other case (GPU inputs, evaluation, a single rank) is torch's own forward.
+torch's own ``nn.SyncBatchNorm`` cannot train on CPU: its forward raises "SyncBatchNorm expected
+input tensor to be on GPU" whenever it has to synchronise (training, more than one rank), and
+torch's DDP refuses any CPU module holding one ("SyncBatchNorm layers only work with GPU
+modules"). So this layer is a plain ``_BatchNorm`` that synchronises by itself, on any device:
+two autograd-aware all-reduces per forward (the per-channel sums and counts, then the sums of
+squared deviations), whose backward sums the statistics' gradients across ranks. Ranks may hold
+different numbers of rows. Evaluation, and a single rank, are ordinary batch normalisation.
 """
 import torch
 import torch.distributed as dist
@@ -15,13 +16,13 @@ from torch.distributed.nn import functional as dist_autograd
 __all__ = ["SyncBatchNorm", "convert_syncbn_model"]
 
 
-class SyncBatchNorm(nn.SyncBatchNorm):
+class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
     """Batch normalisation whose statistics are taken over the whole process group.
 
     Apex's signature: ``SyncBatchNorm(num_features, eps=1e-5, momentum=0.1, affine=True,
     track_running_stats=True, process_group=None, channel_last=False, fuse_relu=False)``.
-    ``channel_last`` is accepted (torch reads the memory format of the input itself);
-    ``fuse_relu=True`` is refused (apply ``torch.relu`` after the layer).
+    ``channel_last`` is accepted (the layer reads any memory format); ``fuse_relu=True`` is
+    refused (apply ``torch.relu`` after the layer). Inputs of any rank >= 2, as torch's.
     """
 
     def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True, track_running_stats=True,
@@ -30,8 +31,13 @@ class SyncBatchNorm(nn.SyncBatchNorm):
             raise ValueError("SyncBatchNorm(fuse_relu=True) is Apex's fused CUDA kernel, not offered: "
                              "apply torch.relu (or nn.ReLU) after the layer instead.")
         super().__init__(num_features, eps=eps, momentum=momentum, affine=affine,
-                         track_running_stats=track_running_stats, process_group=process_group)
+                         track_running_stats=track_running_stats)
+        self.process_group = process_group
         self.channel_last = channel_last
+
+    def _check_input_dim(self, input):
+        if input.dim() < 2:
+            raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
 
     def _group_size(self):
         if not (dist.is_available() and dist.is_initialized()):
@@ -39,17 +45,17 @@ class SyncBatchNorm(nn.SyncBatchNorm):
         return dist.get_world_size(self.process_group or dist.group.WORLD)
 
     def forward(self, input):
-        if input.device.type == "cpu" and self.training and self._group_size() > 1:
+        if self.training and self._group_size() > 1:
             self._check_input_dim(input)
-            return self._cpu_synchronised_forward(input)
+            return self._synchronised_forward(input)
         return super().forward(input)
 
-    def _cpu_synchronised_forward(self, input):
+    def _synchronised_forward(self, input):
         group = self.process_group or dist.group.WORLD
         channels = input.shape[1]
         dims = [0] + list(range(2, input.dim()))
         x = input.float()
-        count = torch.tensor([x.numel() / channels], dtype=torch.float32)
+        count = torch.tensor([x.numel() / channels], dtype=torch.float32, device=x.device)
         totals = dist_autograd.all_reduce(torch.cat([x.sum(dims), count]), group=group)
         n = totals[channels]
         mean = totals[:channels] / n

@@ -11,9 +11,28 @@ different numbers of rows. Evaluation, and a single rank, are ordinary batch nor
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.nn import functional as dist_autograd
 
 __all__ = ["SyncBatchNorm", "convert_syncbn_model"]
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """A sum over the group whose backward is the sum of every rank's gradient (each rank's loss
+    depends on every rank's input through the shared statistics). torch's own
+    ``torch.distributed.nn.functional.all_reduce`` does the same but warns as deprecated in
+    recent torch."""
+
+    @staticmethod
+    def forward(ctx, tensor, group):
+        ctx.group = group
+        total = tensor.clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        total = grad.clone()
+        dist.all_reduce(total, group=ctx.group)
+        return total, None
 
 
 class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
@@ -56,13 +75,13 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         dims = [0] + list(range(2, input.dim()))
         x = input.float()
         count = torch.tensor([x.numel() / channels], dtype=torch.float32, device=x.device)
-        totals = dist_autograd.all_reduce(torch.cat([x.sum(dims), count]), group=group)
+        totals = _AllReduceSum.apply(torch.cat([x.sum(dims), count]), group)
         n = totals[channels]
         mean = totals[:channels] / n
         view = [1, channels] + [1] * (input.dim() - 2)
         centred = x - mean.view(view)
         # Two passes (mean first) keep the variance exact where sum(x^2) - n*mean^2 would cancel.
-        var = dist_autograd.all_reduce((centred * centred).sum(dims), group=group) / n
+        var = _AllReduceSum.apply((centred * centred).sum(dims), group) / n
         if self.track_running_stats:
             self._update_running_stats(mean.detach(), var.detach(), n.detach())
         out = centred * torch.rsqrt(var + self.eps).view(view)

@@ -28,6 +28,7 @@ except ImportError as error:
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402  (examples/common.py, found through the line above)
+from distributed.train_ddp import ranks_agree  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -49,16 +50,6 @@ def parse_args(argv=None):
 def build_model():
     return nn.Sequential(nn.Flatten(), nn.Linear(64, 128), nn.BatchNorm1d(128), nn.ReLU(),
                          nn.Linear(128, 10))
-
-
-def ranks_agree(tensors):
-    """True when every rank holds bitwise the same values as rank 0."""
-    flat = torch.cat([t.detach().float().reshape(-1) for t in tensors])
-    reference = flat.clone()
-    dist.broadcast(reference, src=0)
-    mismatch = torch.tensor([float(not torch.equal(reference, flat))])
-    dist.all_reduce(mismatch)
-    return mismatch.item() == 0
 
 
 def train(args, rank, world_size, device):

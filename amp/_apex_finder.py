@@ -74,6 +74,15 @@ class _ApexPackageLoader(importlib.abc.Loader):
         module.__doc__ = ("amp's stand-in for NVIDIA Apex (python -m amp.apex status): apex.amp is "
                           "amp, apex.fp16_utils is fp16_utils, apex.parallel is amp.parallel.")
 
+        # Apex's own __init__ imported amp and friends, so `import apex; apex.amp....` worked:
+        # imported on first access here, to keep `import apex` itself light.
+        def __getattr__(name):
+            if name in ALIASES or name in ALIASES_WITHOUT_NVIDIA_APEX:
+                return importlib.import_module("apex." + name)
+            raise AttributeError(f"module 'apex' has no attribute {name!r}")
+
+        module.__getattr__ = __getattr__
+
 
 def _amp_version():
     text = (_AMP_DIR / "__init__.py").read_text()

@@ -35,6 +35,8 @@ except ImportError:
 else:
     out["import_apex"] = True
     import amp, fp16_utils
+    # As Apex's old __init__ allowed (without NVIDIA Apex: ours is the apex package).
+    out["attribute_access"] = getattr(apex, "fp16_utils", None) is fp16_utils and getattr(apex, "amp", None) is amp
     import apex.amp._amp_state, apex.amp.handle, apex.amp.frontend
     from apex import amp as apex_amp
     from apex.amp import _amp_state, scale_loss
@@ -192,6 +194,10 @@ def test_enabled_new_process_resolves_every_apex_name_to_the_same_modules(world)
     assert result["parallel"] == dict(DistributedDataParallel="amp.parallel.distributed",
                                       LARC="amp.parallel.larc", SyncBatchNorm="amp.parallel.sync_batchnorm",
                                       convert_syncbn_model="amp.parallel.sync_batchnorm")
+
+
+def test_without_nvidia_apex_plain_import_apex_reaches_its_modules_as_attributes(world):
+    assert world["a"]["attribute_access"] is True
 
 
 def test_enabled_find_spec_and_metadata_report_apex(world):

@@ -11,6 +11,7 @@ from . import casting
 from ._amp_state import _amp_state, warn_or_err
 from ._master_weights import LOW_PRECISION_DTYPES, check_trainable_dtype, convert_network
 from ._model_hooks import cast_forward, register_fp32_state_dict_hooks, to_type
+from ._optimizer_wrappers import is_optimizer, is_optimizer_wrapper
 from ._process_optimizer import ATTACHED_METHODS, _process_optimizer
 from .scaler import LossScaler
 
@@ -59,7 +60,7 @@ def _as_optimizer_list(optimizers):
         return [], None
     if isinstance(optimizers, (list, tuple)):
         return list(optimizers), type(optimizers)
-    if isinstance(optimizers, torch.optim.Optimizer) or _is_fp16_optimizer(optimizers):
+    if is_optimizer(optimizers) or _is_fp16_optimizer(optimizers):
         return [optimizers], "single"  # an FP16_Optimizer is refused with its own message below
     raise TypeError("optimizers must be either a single optimizer or a list of optimizers, got "
                     f"{type(optimizers).__name__}.")
@@ -76,19 +77,22 @@ def _check_optimizers(optimizers):
             raise RuntimeError("An incoming optimizer is an instance of fp16_utils.FP16_Optimizer. "
                                "amp.initialize creates its own master weights and loss scaling: pass "
                                "the plain torch.optim optimizer instead.")
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizers must be torch.optim.Optimizer instances, got "
-                            f"{type(optimizer).__name__}.")
-        if hasattr(optimizer, "_amp_stash"):
+        if not is_optimizer(optimizer):
+            raise TypeError(f"optimizers must be torch.optim.Optimizer instances (or a LARC wrapper "
+                            f"around one), got {type(optimizer).__name__}.")
+        if hasattr(optimizer, "_amp_stash") or hasattr(getattr(optimizer, "optim", None), "_amp_stash"):
             raise RuntimeError("A given optimizer should only be passed through amp.initialize once. "
                                "Create a new optimizer for the new models, or keep using the one "
                                "amp.initialize returned the first time.")
         for name in ATTACHED_METHODS:
             if hasattr(optimizer, name):
                 raise RuntimeError(f"Incoming optimizer already has {name} defined.")
-    if len({id(opt) for opt in optimizers}) != len(optimizers):
+    # A LARC wrapper steps its inner optimizer: passing both would step it twice.
+    inner = [opt.optim for opt in optimizers if is_optimizer_wrapper(opt)]
+    if len({id(opt) for opt in optimizers + inner}) != len(optimizers) + len(inner):
         raise RuntimeError("The same optimizer appears more than once in the optimizers passed to "
-                           "amp.initialize; pass each optimizer once.")
+                           "amp.initialize (directly or inside a LARC wrapper); pass each optimizer "
+                           "once.")
 
 
 def _named_params(models):

@@ -276,7 +276,7 @@ class OptimizerController:
         with casts_off:
             if not flags_by_loss:
                 self.skips.record_applied()
-                result, copy_masters = self.original_step(closure, *args, **kwargs), True
+                result, copy_masters = self._original_step(closure, args, kwargs), True
             elif optimizer_accepts_found_inf(self.optimizer):
                 found_inf = _combine_flags(list(flags_by_loss.values()))
                 # The masters are unchanged on a skipped step, so copying them again is harmless.
@@ -285,6 +285,12 @@ class OptimizerController:
                 result, copy_masters = self._step_reading_flag(flags_by_loss, closure, args, kwargs)
             self._after_step(copy_masters)
         return result
+
+    def _original_step(self, closure, args, kwargs):
+        # Without a closure, none is passed: many optimizers (LARC's among them) take no closure.
+        if closure is None:
+            return self.original_step(*args, **kwargs)
+        return self.original_step(closure, *args, **kwargs)
 
     def _before_step(self):
         """What a subclass must do before every step."""
@@ -300,7 +306,7 @@ class OptimizerController:
         found_inf = found_inf.to(device=device, dtype=torch.float32, non_blocking=True).reshape(())
         optimizer.grad_scale, optimizer.found_inf = None, found_inf
         try:
-            result = self.original_step(closure, *args, **kwargs)
+            result = self._original_step(closure, args, kwargs)
         finally:
             del optimizer.grad_scale, optimizer.found_inf
         self.skips.record(found_inf)
@@ -318,7 +324,7 @@ class OptimizerController:
         applied = not overflowed
         self.skips.record_known(not applied)
         if applied:
-            result = self.original_step(closure, *args, **kwargs)
+            result = self._original_step(closure, args, kwargs)
         else:
             # A scheduler that wrapped step() before amp did would otherwise warn that step() was
             # never called.

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from . import _checkpoint
 from ._amp_state import AmpContext, _amp_state, maybe_print, warn_or_err
 from ._initialize import _initialize
+from ._optimizer_wrappers import is_optimizer
 
 __all__ = ["initialize", "state_dict", "load_state_dict", "master_params", "last_step_applied",
            "skipped_steps", "loss_scale", "loss_scale_tensor", "loss_scaler", "Properties"]
@@ -271,11 +272,11 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
 
 def _initialize_disabled(models, optimizers, verbosity):
     """``enabled=False``: nothing is changed; ``scale_loss`` passes these optimizers' loss through."""
-    if isinstance(optimizers, torch.optim.Optimizer):
+    if is_optimizer(optimizers):
         _amp_state.disabled_optimizers.add(optimizers)
     elif isinstance(optimizers, (list, tuple)):
         for optimizer in optimizers:
-            if isinstance(optimizer, torch.optim.Optimizer):
+            if is_optimizer(optimizer):
                 _amp_state.disabled_optimizers.add(optimizer)
     _amp_state.publish(AmpContext(Properties(), verbosity=verbosity))
     return models if optimizers is None else (models, optimizers)

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ._amp_state import _amp_state
+from ._optimizer_wrappers import is_optimizer
 
 __all__ = ["scale_loss"]
 
@@ -22,12 +23,12 @@ _NOT_INITIALIZED = ("Invoked 'with amp.scale_loss`, but internal Amp state has n
 
 
 def _optimizer_list(optimizers):
-    if isinstance(optimizers, torch.optim.Optimizer):
+    if is_optimizer(optimizers):
         return [optimizers]
     if isinstance(optimizers, (list, tuple)):
         optimizers = list(optimizers)
         for optimizer in optimizers:
-            if not isinstance(optimizer, torch.optim.Optimizer):
+            if not is_optimizer(optimizer):
                 raise TypeError("scale_loss expects optimizers, got a "
                                 f"{type(optimizer).__name__} in the list.")
         if not optimizers:

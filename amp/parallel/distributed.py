@@ -1,0 +1,148 @@
+"""``DistributedDataParallel`` with Apex's constructor, on top of torch's DDP.
+
+Apex-era scripts build ``apex.parallel.DistributedDataParallel(model, message_size=...,
+delay_allreduce=True, ...)``. Every argument that has a meaning in torch's DDP is mapped onto it
+(the bucket size, the all-reduce in fp32, the gradient pre-division and averaging, through a
+communication hook); those that cannot be honoured are refused before anything is built, with
+the way to get the same effect.
+"""
+import numbers
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["DistributedDataParallel"]
+
+_MB = 2 ** 20
+
+# (argument, value that needs nothing, why it is refused and what to do instead)
+_REFUSED = (
+    ("shared_param", None, "Apex itself deprecated it: pass delay_allreduce=True instead."),
+    ("allreduce_trigger_params", None,
+     "torch's DDP starts an all-reduce when a bucket of gradients is ready, not on chosen "
+     "parameters; size the buckets with message_size, or pass delay_allreduce=True."),
+    ("retain_allreduce_buffers", False,
+     "torch's DDP does not hand out its flat all-reduce buffers; read the averaged gradients from "
+     "param.grad (pass gradient_as_bucket_view=True to make them views of the buckets)."),
+    ("num_allreduce_streams", 1,
+     "torch's DDP overlaps its all-reduces with the backward pass on its own stream; drop the "
+     "argument."),
+    ("allreduce_communicators", None,
+     "torch's DDP all-reduces over one process group: pass process_group=... instead."),
+    ("gradient_average_split_factor", None,
+     "Apex itself deprecated it: pass gradient_predivide_factor instead."),
+    ("prof", False, "Apex's NVTX ranges are not reproduced: profile with torch.profiler instead."),
+)
+
+
+class _HookOptions:
+    """What the communication hook needs: the group and Apex's scaling and precision choices."""
+
+    def __init__(self, process_group, allreduce_always_fp32, gradient_average, gradient_predivide_factor):
+        self.process_group = process_group
+        self.allreduce_always_fp32 = allreduce_always_fp32
+        self.gradient_average = gradient_average
+        self.gradient_predivide_factor = gradient_predivide_factor
+
+
+def _apex_allreduce_hook(options, bucket):
+    """Apex's all-reduce: divide by the pre-divide factor, sum (in fp32 if asked), then scale so
+    the result is the mean (``gradient_average``) or the sum divided by the pre-divide factor."""
+    grads = bucket.buffer()
+    group = options.process_group if options.process_group is not None else dist.group.WORLD
+    reduced = grads.float() if options.allreduce_always_fp32 else grads
+    predivide = options.gradient_predivide_factor
+    if predivide != 1:
+        reduced.div_(predivide)
+    post_factor = predivide / dist.get_world_size(group) if options.gradient_average else 1.0
+
+    def finish(future):
+        total = future.value()[0]
+        if post_factor != 1:
+            total.mul_(post_factor)
+        if total is not grads:
+            grads.copy_(total)
+        return grads
+
+    return dist.all_reduce(reduced, group=group, async_op=True).get_future().then(finish)
+
+
+def _check_flag(name, value):
+    if not isinstance(value, bool):
+        raise TypeError(f"DistributedDataParallel's {name} must be True or False, got {value!r}.")
+
+
+def _element_size(module):
+    sizes = [param.element_size() for param in module.parameters() if param.requires_grad]
+    return max(sizes, default=4)
+
+
+class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
+    """torch's DDP, built from Apex's arguments.
+
+    Args (Apex's; the defaults are Apex's):
+        module: the model, after ``amp.initialize``.
+        message_size (int): gradient elements per all-reduce bucket (torch's ``bucket_cap_mb``,
+            counted in the module's widest trainable parameter dtype). Default 10,000,000.
+        delay_allreduce (bool): all-reduce once, after the whole backward pass (one bucket
+            holding every gradient).
+        allreduce_always_fp32 (bool): all-reduce low-precision gradients in fp32.
+        gradient_average (bool): divide the summed gradients by the world size (default True).
+        gradient_predivide_factor (float): divide before the all-reduce by this factor, and after
+            it by ``world_size / factor`` (with ``gradient_average``), which keeps fp16 sums in
+            range.
+        shared_param, allreduce_trigger_params, retain_allreduce_buffers, num_allreduce_streams,
+        allreduce_communicators, gradient_average_split_factor, prof: accepted only at their
+            defaults; any other value raises with what to do instead.
+        **ddp_kwargs: further keyword arguments for torch's DDP (``process_group``,
+            ``find_unused_parameters``, ``gradient_as_bucket_view``, ...), except ``bucket_cap_mb``
+            (use ``message_size``).
+
+    ``convert_syncbn_model`` and ``LARC`` (also in ``amp.parallel``) complete Apex's module.
+    """
+
+    def __init__(self, module, message_size=10000000, delay_allreduce=False, shared_param=None,
+                 allreduce_trigger_params=None, retain_allreduce_buffers=False,
+                 allreduce_always_fp32=False, num_allreduce_streams=1, allreduce_communicators=None,
+                 gradient_average=True, gradient_predivide_factor=1.0,
+                 gradient_average_split_factor=None, prof=False, **ddp_kwargs):
+        given = dict(shared_param=shared_param, allreduce_trigger_params=allreduce_trigger_params,
+                     retain_allreduce_buffers=retain_allreduce_buffers,
+                     num_allreduce_streams=num_allreduce_streams,
+                     allreduce_communicators=allreduce_communicators,
+                     gradient_average_split_factor=gradient_average_split_factor, prof=prof)
+        for name, default, advice in _REFUSED:
+            value = given[name]
+            if not (value is default or (type(value) is type(default) and value == default)):
+                raise ValueError(f"apex.parallel.DistributedDataParallel's {name}={value!r} cannot be "
+                                 f"honoured on torch's DDP: {advice}")
+        if isinstance(message_size, bool) or not isinstance(message_size, numbers.Integral) or message_size < 1:
+            raise ValueError(f"message_size must be a positive number of gradient elements, got {message_size!r}.")
+        for name, value in (("delay_allreduce", delay_allreduce),
+                            ("allreduce_always_fp32", allreduce_always_fp32),
+                            ("gradient_average", gradient_average)):
+            _check_flag(name, value)
+        factor = gradient_predivide_factor
+        if isinstance(factor, bool) or not isinstance(factor, numbers.Real) or not 0 < factor < float("inf"):
+            raise ValueError(f"gradient_predivide_factor must be a positive finite number, got {factor!r}.")
+        if "bucket_cap_mb" in ddp_kwargs:
+            raise ValueError("pass message_size (gradient elements per bucket), not bucket_cap_mb, to "
+                             "apex.parallel.DistributedDataParallel; or use torch's DDP directly.")
+
+        if delay_allreduce:
+            # One bucket holds every gradient, so the single all-reduce waits for the whole backward.
+            total = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+            bucket_cap_mb = total / _MB + 1
+        else:
+            bucket_cap_mb = message_size * _element_size(module) / _MB
+        super().__init__(module, bucket_cap_mb=bucket_cap_mb, **ddp_kwargs)
+        self.message_size = message_size
+        self.delay_allreduce = delay_allreduce
+        self.allreduce_always_fp32 = allreduce_always_fp32
+        self.gradient_average = gradient_average
+        self.gradient_predivide_factor = float(factor)
+        # torch's own all-reduce already averages; the hook is only needed to do something else.
+        if allreduce_always_fp32 or not gradient_average or factor != 1:
+            options = _HookOptions(ddp_kwargs.get("process_group"), allreduce_always_fp32,
+                                   gradient_average, float(factor))
+            self.register_comm_hook(options, _apex_allreduce_hook)

@@ -1,0 +1,129 @@
+"""``SyncBatchNorm`` and ``convert_syncbn_model`` with Apex's signatures.
+
+torch's own ``nn.SyncBatchNorm`` cannot train on CPU: its forward raises "SyncBatchNorm expected
+input tensor to be on GPU" whenever it has to synchronise (training, more than one rank), and
+torch's DDP refuses any CPU module holding one ("SyncBatchNorm layers only work with GPU
+modules"). So this layer is a plain ``_BatchNorm`` that synchronises by itself, on any device:
+two autograd-aware all-reduces per forward (the per-channel sums and counts, then the sums of
+squared deviations), whose backward sums the statistics' gradients across ranks. Ranks may hold
+different numbers of rows. Evaluation, and a single rank, are ordinary batch normalisation.
+"""
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["SyncBatchNorm", "convert_syncbn_model"]
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """A sum over the group whose backward is the sum of every rank's gradient (each rank's loss
+    depends on every rank's input through the shared statistics). torch's own
+    ``torch.distributed.nn.functional.all_reduce`` does the same but warns as deprecated in
+    recent torch."""
+
+    @staticmethod
+    def forward(ctx, tensor, group):
+        ctx.group = group
+        total = tensor.clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        total = grad.clone()
+        dist.all_reduce(total, group=ctx.group)
+        return total, None
+
+
+class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
+    """Batch normalisation whose statistics are taken over the whole process group.
+
+    Apex's signature: ``SyncBatchNorm(num_features, eps=1e-5, momentum=0.1, affine=True,
+    track_running_stats=True, process_group=None, channel_last=False, fuse_relu=False)``.
+    ``channel_last`` is accepted (the layer reads any memory format); ``fuse_relu=True`` is
+    refused (apply ``torch.relu`` after the layer). Inputs of any rank >= 2, as torch's.
+    """
+
+    def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True, track_running_stats=True,
+                 process_group=None, channel_last=False, fuse_relu=False):
+        if fuse_relu:
+            raise ValueError("SyncBatchNorm(fuse_relu=True) is Apex's fused CUDA kernel, not offered: "
+                             "apply torch.relu (or nn.ReLU) after the layer instead.")
+        super().__init__(num_features, eps=eps, momentum=momentum, affine=affine,
+                         track_running_stats=track_running_stats)
+        self.process_group = process_group
+        self.channel_last = channel_last
+
+    def _check_input_dim(self, input):
+        if input.dim() < 2:
+            raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
+
+    def _group_size(self):
+        if not (dist.is_available() and dist.is_initialized()):
+            return 1
+        return dist.get_world_size(self.process_group or dist.group.WORLD)
+
+    def forward(self, input):
+        if self.training and self._group_size() > 1:
+            self._check_input_dim(input)
+            return self._synchronised_forward(input)
+        return super().forward(input)
+
+    def _synchronised_forward(self, input):
+        group = self.process_group or dist.group.WORLD
+        channels = input.shape[1]
+        dims = [0] + list(range(2, input.dim()))
+        x = input.float()
+        count = torch.tensor([x.numel() / channels], dtype=torch.float32, device=x.device)
+        totals = _AllReduceSum.apply(torch.cat([x.sum(dims), count]), group)
+        n = totals[channels]
+        mean = totals[:channels] / n
+        view = [1, channels] + [1] * (input.dim() - 2)
+        centred = x - mean.view(view)
+        # Two passes (mean first) keep the variance exact where sum(x^2) - n*mean^2 would cancel.
+        var = _AllReduceSum.apply((centred * centred).sum(dims), group) / n
+        if self.track_running_stats:
+            self._update_running_stats(mean.detach(), var.detach(), n.detach())
+        out = centred * torch.rsqrt(var + self.eps).view(view)
+        if self.affine:
+            out = out * self.weight.float().view(view) + self.bias.float().view(view)
+        return out.to(input.dtype)
+
+    @torch.no_grad()
+    def _update_running_stats(self, mean, var, n):
+        self.num_batches_tracked.add_(1)
+        factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+        unbiased = var * (n / (n - 1)) if n > 1 else var
+        self.running_mean.lerp_(mean.to(self.running_mean.dtype), factor)
+        self.running_var.lerp_(unbiased.to(self.running_var.dtype), factor)
+
+
+def convert_syncbn_model(module, process_group=None, channel_last=False):
+    """Return ``module`` with every BatchNorm layer replaced by a ``SyncBatchNorm`` (Apex's API).
+
+    Weights, buffers, ``requires_grad`` and the train/eval mode are carried over; the layers share
+    no storage with the originals. ``module`` itself is returned if it contains no BatchNorm.
+    """
+    if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(module, SyncBatchNorm):
+        converted = SyncBatchNorm(module.num_features, module.eps, module.momentum, module.affine,
+                                  module.track_running_stats, process_group, channel_last)
+        floats = [t for t in list(module.parameters()) + list(module.buffers()) if t.is_floating_point()]
+        if floats:
+            converted.to(device=floats[0].device, dtype=floats[0].dtype)
+        with torch.no_grad():
+            if module.affine:
+                converted.weight.copy_(module.weight)
+                converted.bias.copy_(module.bias)
+                converted.weight.requires_grad_(module.weight.requires_grad)
+                converted.bias.requires_grad_(module.bias.requires_grad)
+            if module.track_running_stats:
+                converted.running_mean.copy_(module.running_mean)
+                converted.running_var.copy_(module.running_var)
+                converted.num_batches_tracked.copy_(module.num_batches_tracked)
+        converted.train(module.training)
+        return converted
+    for name, child in module.named_children():
+        converted = convert_syncbn_model(child, process_group, channel_last)
+        if converted is not child:
+            setattr(module, name, converted)
+    return module

@@ -1,0 +1,198 @@
+"""amp.parallel (apex.parallel under the drop-in): Apex's DDP arguments mapped onto torch's DDP or
+refused, SyncBatchNorm on CPU/gloo, and DDP + SyncBatchNorm + LARC + amp O2 on two ranks.
+
+One spawn of two gloo ranks runs every scenario; each rank writes what it saw to a JSON file.
+"""
+import gc
+import json
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import amp
+from amp.parallel import LARC, DistributedDataParallel, SyncBatchNorm, convert_syncbn_model
+from amp_common import batch, loss_of, net
+from test_distributed import WORLD, free_port, same_on_every_rank
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+
+
+def rank_grads(rank, module, dtype):
+    """Backward of a loss that differs per rank."""
+    loss = module(batch(rank).to(dtype)).float().pow(2).sum() * (rank + 1)
+    loss.backward()
+
+
+def local_grads(rank, dtype=torch.float32):
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3).to(dtype)
+    rank_grads(rank, model, dtype)
+    return torch.cat([p.grad.float().reshape(-1) for p in model.parameters()])
+
+
+def reduced_grads(rank, dtype=torch.float32, **apex_kwargs):
+    torch.manual_seed(0)
+    model = DistributedDataParallel(nn.Linear(4, 3).to(dtype), **apex_kwargs)
+    rank_grads(rank, model, dtype)
+    return torch.cat([p.grad.float().reshape(-1) for p in model.parameters()])
+
+
+def reduction_scenario(rank):
+    """Each Apex option's effect on the reduced grads, against the per-rank grads summed by hand."""
+    mine = local_grads(rank)
+    every = [torch.empty_like(mine) for _ in range(WORLD)]
+    dist.all_gather(every, mine)
+    total = sum(every)
+    half_total = sum(local_grads(r, torch.float16).float() for r in range(WORLD))
+    return dict(
+        average=torch.allclose(reduced_grads(rank), total / WORLD, rtol=1e-6),
+        sum=torch.allclose(reduced_grads(rank, gradient_average=False), total, rtol=1e-6),
+        predivide_average=torch.allclose(reduced_grads(rank, gradient_predivide_factor=4.0),
+                                         total / WORLD, rtol=1e-6),
+        predivide_sum=torch.allclose(reduced_grads(rank, gradient_average=False, gradient_predivide_factor=4.0),
+                                     total / 4, rtol=1e-6),
+        # fp16 grads summed in fp32 and rounded once equal the fp32 sum of the fp16 grads, rounded.
+        fp32_allreduce=torch.equal(reduced_grads(rank, torch.float16, allreduce_always_fp32=True),
+                                   (half_total / WORLD).half().float()),
+    )
+
+
+def bucket_scenario():
+    small = DistributedDataParallel(nn.Linear(4, 3), message_size=1000)
+    delayed = DistributedDataParallel(nn.Linear(300, 300), delay_allreduce=True)
+    need = sum(p.numel() * p.element_size() for p in delayed.parameters())
+    return dict(small_bytes=small.bucket_bytes_cap, delayed_fits_all=delayed.bucket_bytes_cap >= need)
+
+
+def syncbn_scenario(rank):
+    """SyncBatchNorm on CPU equals BatchNorm over both ranks' rows: output, input grads, stats."""
+    torch.manual_seed(0)
+    bn = nn.BatchNorm1d(4)
+    with torch.no_grad():
+        bn.weight.uniform_(0.5, 1.5)
+        bn.bias.uniform_(-0.5, 0.5)
+    reference = nn.BatchNorm1d(4)
+    reference.load_state_dict(bn.state_dict())
+    synced = convert_syncbn_model(nn.Sequential(bn))[0]
+    inputs = [batch(10 + r, rows=6 + r).requires_grad_() for r in range(WORLD)]  # unequal sizes
+    mine = inputs[rank].detach().clone().requires_grad_()
+    out = synced(mine)
+    (out * (rank + 1)).sum().backward()
+    ref_out = reference(torch.cat(inputs))
+    (ref_out * torch.cat([torch.full((6 + r, 1), r + 1.0) for r in range(WORLD)])).sum().backward()
+    rows = slice(sum(6 + r for r in range(rank)), sum(6 + r for r in range(rank + 1)))
+    return dict(
+        converted=type(synced) is SyncBatchNorm,
+        output=torch.allclose(out, ref_out[rows], atol=1e-5),
+        input_grad=torch.allclose(mine.grad, inputs[rank].grad, atol=1e-5),
+        running=torch.allclose(synced.running_mean, reference.running_mean, atol=1e-6)
+        and torch.allclose(synced.running_var, reference.running_var, atol=1e-6),
+    )
+
+
+def apex_recipe_scenario(rank):
+    """Apex's imagenet recipe: SyncBN, amp O2, Apex DDP, LARC; ranks seeded apart."""
+    model = convert_syncbn_model(net(seed=rank))
+    optimizer = LARC(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O2", verbosity=0)
+    model = DistributedDataParallel(model, delay_allreduce=True)
+    losses = []
+    for step in range(4):
+        loss = loss_of(model(batch(2 * step + rank)))
+        optimizer.zero_grad()
+        with amp.scale_loss(loss, optimizer) as scaled_loss:
+            scaled_loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return dict(params_equal=same_on_every_rank(list(model.parameters())),
+                masters_equal=same_on_every_rank(list(amp.master_params(optimizer))),
+                buffers_equal=same_on_every_rank([b for b in model.buffers() if b.is_floating_point()]),
+                finite=all(torch.isfinite(torch.tensor(losses)).tolist()))
+
+
+def worker(rank, port, out_dir):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    results = dict(reduction=reduction_scenario(rank), buckets=bucket_scenario(),
+                   syncbn=syncbn_scenario(rank), recipe=apex_recipe_scenario(rank))
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
+    with open(f"{out_dir}/rank{rank}.json", "w") as file:
+        json.dump(results, file)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # see tests/test_distributed.py: gloo's teardown can abort after success
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    out_dir = tmp_path_factory.mktemp("apex_parallel")
+    mp.spawn(worker, args=(free_port(), str(out_dir)), nprocs=WORLD, join=True)
+    return [json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in range(WORLD)]
+
+
+@pytest.mark.parametrize("option", ["average", "sum", "predivide_average", "predivide_sum", "fp32_allreduce"])
+def test_apex_ddp_reduction_option_has_apex_effect_on_the_gradients(ranks, option):
+    assert all(result["reduction"][option] for result in ranks)
+
+
+def test_apex_ddp_message_size_sets_the_bucket_size_in_gradient_elements(ranks):
+    assert all(result["buckets"]["small_bytes"] == 1000 * 4 for result in ranks)
+
+
+def test_apex_ddp_delay_allreduce_puts_every_gradient_in_one_bucket(ranks):
+    assert all(result["buckets"]["delayed_fits_all"] for result in ranks)
+
+
+@pytest.mark.parametrize("what", ["converted", "output", "input_grad", "running"])
+def test_syncbn_on_cpu_gloo_equals_batchnorm_over_every_rank(ranks, what):
+    assert all(result["syncbn"][what] for result in ranks)
+
+
+def test_apex_recipe_ddp_syncbn_larc_o2_keeps_ranks_bit_identical(ranks):
+    for result in ranks:
+        assert result["recipe"] == dict(params_equal=True, masters_equal=True, buffers_equal=True, finite=True)
+
+
+@pytest.mark.parametrize("argument, value, advice", [
+    ("shared_param", True, "delay_allreduce=True"),
+    ("allreduce_trigger_params", [], "message_size"),
+    ("retain_allreduce_buffers", True, "param.grad"),
+    ("num_allreduce_streams", 2, "drop the argument"),
+    ("allreduce_communicators", (None, None), "process_group"),
+    ("gradient_average_split_factor", 2.0, "gradient_predivide_factor"),
+    ("prof", True, "torch.profiler"),
+])
+def test_apex_ddp_argument_that_cannot_be_honoured_is_refused_with_what_to_do(argument, value, advice):
+    with pytest.raises(ValueError, match=f"{argument}=.*cannot be honoured.*{advice}"):
+        DistributedDataParallel(nn.Linear(2, 2), **{argument: value})
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(message_size=0), "message_size"),
+    (dict(gradient_predivide_factor=0.0), "gradient_predivide_factor"),
+    (dict(delay_allreduce="yes"), "delay_allreduce"),
+    (dict(bucket_cap_mb=25), "message_size"),
+])
+def test_apex_ddp_bad_values_are_refused_before_anything_is_built(kwargs, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        DistributedDataParallel(nn.Linear(2, 2), **kwargs)
+
+
+def test_syncbn_refuses_fuse_relu_and_converts_nested_batchnorms_with_their_values():
+    with pytest.raises(ValueError, match="torch.relu"):
+        SyncBatchNorm(4, fuse_relu=True)
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), nn.Sequential(nn.BatchNorm2d(4)))
+    with torch.no_grad():
+        model[1][0].running_mean.fill_(0.5)
+        model[1][0].weight.fill_(2.0)
+    model.eval()
+    expected = model(torch.ones(2, 3, 2, 2))
+    converted = convert_syncbn_model(model)
+    assert converted is model and type(model[1][0]) is SyncBatchNorm and not model[1][0].training
+    assert torch.equal(converted(torch.ones(2, 3, 2, 2)), expected)

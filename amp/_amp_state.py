@@ -30,6 +30,8 @@ class AmpContext:
         self.overflow_process_group = overflow_process_group
         self.min_loss_scale = min_loss_scale
         self.max_loss_scale = max_loss_scale
+        self.sharded_masters = False  # FSDP2 at O2/O5: the sharded fp32 params are the masters
+        self.unsharded_models = ()  # weakrefs, for amp._fsdp.check_order
 
     @property
     def enabled(self):

@@ -576,7 +576,8 @@ def _process_optimizer(optimizer, context, param_names, fp32_values, max_consecu
 
     ``amp.initialize`` has checked the optimizer already (see ``ATTACHED_METHODS``).
     """
-    kind = WithMasterWeights if context.properties.master_weights else WithoutMasterWeights
+    masters = context.properties.master_weights and not context.sharded_masters
+    kind = WithMasterWeights if masters else WithoutMasterWeights
     controller = kind(optimizer, context, dict(param_names), max_consecutive_skips)
     optimizer._amp_stash = controller
     # Apex's method names, for code that calls them on the optimizer.

@@ -136,7 +136,7 @@ class ShardedRun:
         context.sharded_masters = self.sharded_masters
 
 
-def plan(models, context):
+def plan(models, optimizers, context):
     """Check FSDP models against ``context``'s options; a ``ShardedRun`` for FSDP2, else None."""
     properties = context.properties
     for model in models:
@@ -153,6 +153,13 @@ def plan(models, context):
             raise RuntimeError(f"Some submodules of {type(model).__name__} are fully_shard units but "
                                "the model is not: call fully_shard on the root model too. "
                                + _HOW_TO_ORDER)
+    model_params = {id(p) for model in models for p in model.parameters()}
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            if any(id(p) not in model_params for p in group["params"]):
+                raise RuntimeError("An optimizer holds parameters that the fully_shard model does not "
+                                   "have (fully_shard replaces them): build the optimizer on "
+                                   "model.parameters() after fully_shard. " + _HOW_TO_ORDER)
     cast_type = properties.cast_model_type if properties.enabled else None
     policies = []
     if cast_type in LOW_PRECISION_DTYPES:

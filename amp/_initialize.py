@@ -124,7 +124,7 @@ def _initialize(models, optimizers, context, num_losses, cast_model_outputs, sca
     _check_params_fp32(models)
     param_names = _named_params(models)
     _check_param_dtypes(param_names, optimizers)
-    sharded = _fsdp.plan(models, context)
+    sharded = _fsdp.plan(models, optimizers, context)
     loss_scalers = [LossScaler(properties.loss_scale, **scaler_options) for _ in range(num_losses)]
 
     # Nothing below raises on user input: from here on, models and optimizers change.

@@ -175,6 +175,14 @@ def conflicting_policy_error():
     return error_of(run)
 
 
+def optimizer_before_fully_shard_error():
+    def run():
+        model = net()
+        optimizer = sgd(model.parameters())
+        amp.initialize(sharded(model), optimizer, opt_level="O1", verbosity=0)
+    return error_of(run)
+
+
 def fsdp1_error():
     from torch.distributed.fsdp import FullyShardedDataParallel
 
@@ -204,6 +212,7 @@ def worker(rank, port, out_dir):
                        wrong_order=wrong_order_error(rank),
                        mixed_batchnorm=mixed_batchnorm_unit_error(),
                        conflicting_policy=conflicting_policy_error(),
+                       optimizer_first=optimizer_before_fully_shard_error(),
                        fsdp1=fsdp1_error())
     gc.collect()
     dist.barrier()
@@ -270,6 +279,10 @@ def test_batchnorm_sharing_a_unit_with_other_layers_is_refused_under_keep_batchn
 def test_a_different_mp_policy_is_refused_with_the_one_to_set(ranks):
     message = ranks[0]["conflicting_policy"]
     assert "MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)" in message
+
+
+def test_optimizer_built_before_fully_shard_is_refused(ranks):
+    assert "build the optimizer on model.parameters() after fully_shard" in ranks[0]["optimizer_first"]
 
 
 def test_fsdp1_is_refused_with_a_pointer_to_fsdp2(ranks):

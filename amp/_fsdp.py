@@ -140,7 +140,7 @@ def plan(models, optimizers, context):
     """Check FSDP models against ``context``'s options; a ``ShardedRun`` for FSDP2, else None."""
     properties = context.properties
     for model in models:
-        if any(_is_fsdp1(m) for m in model.modules()) and properties.opt_level != "O0":
+        if properties.enabled and properties.opt_level != "O0" and any(map(_is_fsdp1, model.modules())):
             raise RuntimeError(
                 "amp does not support FullyShardedDataParallel (FSDP1): its flat parameters hide the "
                 "model's dtypes and shards from amp. Use FSDP2 instead (torch.distributed.fsdp."

@@ -5,10 +5,7 @@ check one behaviour each. Each level is compared with the same model trained by 
 level on the same per-rank batches.
 """
 import functools
-import gc
 import json
-import os
-import sys
 
 import pytest
 import torch
@@ -19,7 +16,7 @@ import amp
 from amp._amp_state import _amp_state
 from amp._compat import FSDP2
 from amp_common import LOW_DTYPE, TOLERANCES, batch, loss_of, net, sgd
-from test_distributed import free_port, same_on_every_rank, skipped
+from test_distributed import finish, free_port, same_on_every_rank, skipped
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or FSDP2 is None,
                                 reason="torch.distributed or FSDP2 (fully_shard) is not available")
@@ -214,15 +211,7 @@ def worker(rank, port, out_dir):
                        conflicting_policy=conflicting_policy_error(),
                        optimizer_first=optimizer_before_fully_shard_error(),
                        fsdp1=fsdp1_error())
-    gc.collect()
-    dist.barrier()
-    dist.destroy_process_group()
-    with open(f"{out_dir}/rank{rank}.json", "w") as file:
-        json.dump(results, file)
-    # As in test_distributed: skip the teardown, where gloo threads can abort a finished process.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    finish(rank, results, out_dir)
 
 
 @pytest.fixture(scope="module")

@@ -37,6 +37,8 @@ class AmpContext:
         self._owners = []
         # Its O1/O4 handle (casting.policy), whose weight-cast cache scale_loss clears; else None.
         self.casting_policy = None
+        self.sharded_masters = False  # FSDP2 at O2/O5: the sharded fp32 params are the masters
+        self.unsharded_models = ()  # weakrefs, for amp._fsdp.check_order
 
     @property
     def enabled(self):

@@ -24,6 +24,13 @@ Probed and bound here:
   :data:`LR_SCHEDULER_STEP_MARKS` / :func:`record_step_for_lr_scheduler`
 * ``torch.sparse_coo_tensor(..., is_coalesced=)`` -> :func:`coalesced_sparse_coo_tensor`
   (fallback: ``coalesce()``)
+* FSDP2: ``DTensor`` (``torch.distributed.tensor``; ``torch.distributed._tensor`` before 2.5)
+  -> :func:`local_tensor`; ``fully_shard``, ``FSDPModule`` and ``MixedPrecisionPolicy``
+  (``torch.distributed.fsdp``; ``torch.distributed._composable.fsdp`` before 2.6, where the
+  module class is ``FSDP``) -> :data:`FSDP2` (None without FSDP2); and the private per-module
+  state that holds the mixed-precision policy (``_get_fsdp_state()._mp_policy``,
+  ``._fsdp_param_group.mp_policy`` and its ``fsdp_params``' ``init_dtype_attrs``), used by
+  ``amp._fsdp`` only
 
 Relied upon but used directly, since a wrapper would only add indirection (checked at import,
 so a torch without them fails with one clear ``ImportError``): the ``torch._foreach_*`` ops in
@@ -172,6 +179,47 @@ def _probe_sparse_coo_is_coalesced():
     return _sparse_coo_is_coalesced
 
 
+def _import_first(*names):
+    for name in names:
+        try:
+            return importlib.import_module(name)
+        except ImportError:
+            continue
+    return None
+
+
+def _probe_dtensor():
+    # torch < 2.5 has a torch.distributed.tensor package too, without DTensor in it.
+    for name in ("torch.distributed.tensor", "torch.distributed._tensor"):
+        found = getattr(_import_first(name), "DTensor", None)
+        if found is not None:
+            return found
+    return None
+
+
+_DTensor = _probe_dtensor()
+
+
+def _local_tensor(t):
+    return t.to_local() if isinstance(t, _DTensor) else t
+
+
+def _identity(t):
+    return t
+
+
+def _probe_fsdp2():
+    """``(fully_shard, FSDPModule, MixedPrecisionPolicy)``, or None where torch lacks FSDP2."""
+    public = _import_first("torch.distributed.fsdp")
+    if public is not None and hasattr(public, "fully_shard") and hasattr(public, "FSDPModule"):
+        return public.fully_shard, public.FSDPModule, public.MixedPrecisionPolicy
+    composable = _import_first("torch.distributed._composable.fsdp")
+    if composable is None or not hasattr(composable, "fully_shard"):
+        return None
+    module_class = getattr(composable, "FSDPModule", None) or getattr(composable, "FSDP", None)
+    return composable.fully_shard, module_class, composable.MixedPrecisionPolicy
+
+
 _require_foreach_ops()
 #: ``(tensors, found_inf, inv_scale)``: unscale in place, flag non-finite values in ``found_inf``.
 non_finite_check_and_unscale_ = _probe_non_finite_check_and_unscale()
@@ -189,3 +237,7 @@ register_state_dict_post_hook = _probe_state_dict_post_hook()
 register_load_state_dict_pre_hook = _probe_load_state_dict_pre_hook()
 #: ``(indices, values, size)``: a sparse COO tensor the caller knows to be coalesced.
 coalesced_sparse_coo_tensor = _probe_sparse_coo_is_coalesced()
+#: ``(tensor)``: the local shard of a ``DTensor``; any other tensor itself.
+local_tensor = _local_tensor if _DTensor is not None else _identity
+#: ``(fully_shard, FSDPModule, MixedPrecisionPolicy)``, or None where torch has no FSDP2.
+FSDP2 = _probe_fsdp2()

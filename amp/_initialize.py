@@ -7,7 +7,7 @@ import functools
 import torch
 from torch import nn
 
-from . import casting
+from . import _fsdp, casting
 from ._amp_state import _amp_state, warn_or_err
 from ._master_weights import LOW_PRECISION_DTYPES, check_trainable_dtype, convert_network
 from ._model_hooks import cast_forward, register_fp32_state_dict_hooks, to_type
@@ -128,13 +128,17 @@ def _initialize(models, optimizers, context, num_losses, cast_model_outputs, sca
     _check_params_fp32(models)
     param_names = _named_params(models)
     _check_param_dtypes(param_names, optimizers)
+    sharded = _fsdp.plan(models, optimizers, context)
     loss_scalers = [LossScaler(properties.loss_scale, **scaler_options) for _ in range(num_losses)]
 
     # Nothing below raises on user input: from here on, models and optimizers change.
     # Masters start from the exact fp32 values, taken before the model is cast.
     fp32_values = {}
     cast_type = properties.cast_model_type
-    if properties.master_weights and cast_type in LOW_PRECISION_DTYPES:
+    if sharded is not None:
+        sharded.apply(context)
+    _fsdp.remember_unsharded(models, context)
+    if properties.master_weights and cast_type in LOW_PRECISION_DTYPES and not context.sharded_masters:
         for model in models:
             for param in model.parameters():
                 if param.dtype == torch.float32:
@@ -142,7 +146,9 @@ def _initialize(models, optimizers, context, num_losses, cast_model_outputs, sca
 
     if cast_type:
         for model in models:
-            if properties.keep_batchnorm_fp32:
+            if context.sharded_masters:
+                pass  # FSDP2 casts the gathered params by the policy amp set
+            elif properties.keep_batchnorm_fp32:
                 convert_network(model, cast_type)
             else:
                 model.to(cast_type)
@@ -162,7 +168,7 @@ def _initialize(models, optimizers, context, num_losses, cast_model_outputs, sca
     for optimizer in optimizers:
         _process_optimizer(optimizer, context, param_names, fp32_values, max_consecutive_skips)
 
-    if cast_type in LOW_PRECISION_DTYPES:
+    if cast_type in LOW_PRECISION_DTYPES and not context.sharded_masters:
         for model in models:
             register_fp32_state_dict_hooks(model, optimizers)
 

@@ -594,7 +594,8 @@ def _process_optimizer(optimizer, context, param_names, fp32_values, max_consecu
 
     ``amp.initialize`` has checked the optimizer already (see ``ATTACHED_METHODS``).
     """
-    kind = WithMasterWeights if context.properties.master_weights else WithoutMasterWeights
+    masters = context.properties.master_weights and not context.sharded_masters
+    kind = WithMasterWeights if masters else WithoutMasterWeights
     if kind is WithMasterWeights:
         # amp.optimizers name their own controller, so amp never imports them.
         kind = getattr(optimizer, "_amp_master_weights_controller", kind)

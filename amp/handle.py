@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from ._amp_state import _amp_state
 from ._optimizer_wrappers import is_optimizer
+from ._fsdp import check_order
 
 __all__ = ["scale_loss"]
 
@@ -210,6 +211,7 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False,
         yield loss
         return
     scaler = context.loss_scaler(loss_id)
+    check_order(context)
     if not isinstance(loss, torch.Tensor):
         raise TypeError(f"scale_loss expects the loss tensor, got {type(loss).__name__}.")
     controllers = [optimizer._amp_stash for optimizer in optimizers]

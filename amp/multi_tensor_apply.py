@@ -24,6 +24,7 @@ import os
 
 from amp import _torch_ops
 from amp._amp_state import maybe_print
+from amp._compat import local_tensor
 
 try:
     import amp_C
@@ -64,6 +65,8 @@ class MultiTensorApply:
             )
 
     def __call__(self, op, noop_flag_buffer, tensor_lists, *args):
+        # FSDP2's grads are DTensors: the ops work on (and check the overlap of) their local shards.
+        tensor_lists = [[local_tensor(t) for t in tensors] for tensors in tensor_lists]
         return op(self.chunk_size, noop_flag_buffer, tensor_lists, *args)
 
 

@@ -9,7 +9,10 @@ import random
 
 import numpy as np
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 
+import amp
 from amp.frontend import OPT_LEVELS
 
 TEST_FRACTION = 0.2
@@ -128,6 +131,33 @@ def add_common_args(parser, default_opt_level):
     parser.add_argument("--seed", type=seed_arg, default=0, help="seed for the split, init and order")
     parser.add_argument("--smoke", action="store_true",
                         help="a few steps only; exit with status 1 unless the loss fell")
+
+
+def train_distributed(model, optimizer, x_train, y_train, args, rank, world_size):
+    """This rank's training steps (``--epochs``, 20 with ``--smoke``); the mean loss of each step
+    over the ranks. Every rank takes the same number of steps, which the collectives need."""
+    steps_per_epoch = len(x_train) // args.batch_size
+    total_steps = min(20, steps_per_epoch * args.epochs) if args.smoke else steps_per_epoch * args.epochs
+    # Seeded per rank: different shuffles, but every rank takes the same number of steps.
+    order = torch.Generator().manual_seed(args.seed + rank)
+    losses = []
+    while len(losses) < total_steps:
+        for inputs, targets in batches(x_train, y_train, args.batch_size, order):
+            loss = F.cross_entropy(model(inputs), targets)
+            optimizer.zero_grad()
+            with amp.scale_loss(loss, optimizer) as scaled_loss:
+                scaled_loss.backward()  # DDP / FSDP2 reduce the (scaled) gradients in here
+            optimizer.step()
+
+            mean_loss = loss.detach().float().clone()
+            dist.all_reduce(mean_loss)
+            losses.append(mean_loss.item() / world_size)
+            if rank == 0 and (len(losses) % 50 == 0 or len(losses) == total_steps):
+                scale = amp.loss_scale(optimizer=optimizer)
+                print(f"[{len(losses)}/{total_steps}] mean loss {losses[-1]:.4f} loss scale {scale:g}")
+            if len(losses) == total_steps:
+                break
+    return losses
 
 
 def window_mean(values, first):

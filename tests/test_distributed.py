@@ -231,6 +231,11 @@ def worker(rank, port, out_dir):
                    group_world=group_scenario(rank, dist.group.WORLD),
                    new_group=group_scenario(rank, dist.new_group(list(range(WORLD)))),
                    wrapped_error=wrapped_model_error())
+    finish(rank, results, out_dir)
+
+
+def finish(rank, results, out_dir):
+    """Leave the group and write ``results``; exits the process."""
     # The scenarios' DDP objects (kept alive by reference cycles) must be gone before the group,
     # and no rank may tear its group down while the other still talks to it: gloo aborts the
     # process ("terminate called without an active exception") otherwise.

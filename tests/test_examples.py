@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from amp_common import LEVELS
 
@@ -85,6 +86,32 @@ def test_distributed_smoke_learns_and_ranks_agree():
                  "--smoke", "--device", "cpu")
     assert_succeeded_and_learned(result)
     assert "parameters identical on all 2 ranks: True" in result.stdout
+
+
+FSDP2_PROBE = """
+import sys, tempfile, torch, torch.distributed as dist
+from amp._compat import FSDP2
+if FSDP2 is None:
+    sys.exit("torch has no FSDP2 (fully_shard)")
+dist.init_process_group("gloo", init_method="file://" + tempfile.mkdtemp() + "/store", rank=0,
+                        world_size=1)
+try:
+    FSDP2[0](torch.nn.Linear(2, 2))(torch.ones(1, 2))
+except RuntimeError as error:
+    sys.exit(str(error).splitlines()[0])
+"""
+
+
+def test_fsdp_smoke_learns_with_each_rank_holding_half_the_weights():
+    probe = run("-c", FSDP2_PROBE)
+    if probe.returncode != 0:
+        pytest.skip(f"FSDP2 of torch {torch.__version__} does not run on CPU here: "
+                    f"{probe.stderr.strip().splitlines()[-1]}")
+    result = run("-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+                 f"--master_port={free_port()}", "examples/fsdp/train_fsdp.py", "--smoke",
+                 "--device", "cpu")
+    assert_succeeded_and_learned(result)
+    assert "rank 0 holds 8613 of 17226 fp32 weights" in result.stdout
 
 
 @pytest.mark.parametrize("args, message", [

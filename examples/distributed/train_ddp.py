@@ -17,7 +17,6 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import amp
@@ -95,27 +94,7 @@ def train(args, rank, world_size, local_rank, device, backend):
     model, optimizer = amp.initialize(model, optimizer, opt_level=args.opt_level, verbosity=0)
     model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
 
-    steps_per_epoch = len(x_train) // args.batch_size
-    total_steps = min(20, steps_per_epoch * args.epochs) if args.smoke else steps_per_epoch * args.epochs
-    # Seeded per rank: different shuffles, but every rank takes the same number of steps.
-    order = torch.Generator().manual_seed(args.seed + rank)
-    losses = []
-    while len(losses) < total_steps:
-        for inputs, targets in common.batches(x_train, y_train, args.batch_size, order):
-            loss = F.cross_entropy(model(inputs), targets)
-            optimizer.zero_grad()
-            with amp.scale_loss(loss, optimizer) as scaled_loss:
-                scaled_loss.backward()  # DDP all-reduces the (scaled) gradients in here
-            optimizer.step()
-
-            mean_loss = loss.detach().float().clone()
-            dist.all_reduce(mean_loss)
-            losses.append(mean_loss.item() / world_size)
-            if rank == 0 and (len(losses) % 50 == 0 or len(losses) == total_steps):
-                scale = amp.loss_scale(optimizer=optimizer)
-                print(f"[{len(losses)}/{total_steps}] mean loss {losses[-1]:.4f} loss scale {scale:g}")
-            if len(losses) == total_steps:
-                break
+    losses = common.train_distributed(model, optimizer, x_train, y_train, args, rank, world_size)
 
     # Parameters, the fp32 master copies the optimizer updates, and buffers must all agree.
     tensors = list(model.parameters()) + list(amp.master_params(optimizer)) + list(model.buffers())

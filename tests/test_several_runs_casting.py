@@ -170,3 +170,34 @@ def test_forwards_at_one_level_run_in_several_threads():
         waits.release.set()
         thread.join()
     assert result["out"].dtype == torch.float16
+
+
+def test_disable_casts_blocks_overlapping_in_two_threads_restore_the_casts_once_both_left():
+    # Two threads' optimizer.step() run with casts off; the first to leave must neither switch
+    # the casts back on under the other nor leave them off after both have left.
+    model = _initialized_model("O1")
+    x = torch.randn(2, 4)
+    a_inside, b_inside, a_left = threading.Event(), threading.Event(), threading.Event()
+    seen = {}
+
+    def thread_a():
+        with amp.disable_casts():
+            a_inside.set()
+            b_inside.wait()
+        a_left.set()
+
+    def thread_b():
+        a_inside.wait()
+        with amp.disable_casts():
+            b_inside.set()
+            a_left.wait()
+            seen["inside b after a left"] = torch.mm(x, x.t()).dtype
+
+    threads = [threading.Thread(target=thread_a), threading.Thread(target=thread_b)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert seen["inside b after a left"] == torch.float32
+    assert torch.mm(x, x.t()).dtype == torch.float16
+    assert model(x).dtype == torch.float16

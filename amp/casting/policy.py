@@ -28,6 +28,10 @@ current = None
 _outer = []
 # The thread that entered the outermost running amp forward.
 _owner = None
+# Open disable_casts blocks (of any thread), and the policy the last one to close restores.
+_disabled_depth = 0
+_policy_before_disabled = None
+_disabled_lock = threading.Lock()
 
 
 class _Disabled:
@@ -89,14 +93,26 @@ def track(model, policy):
 
 
 def disabled():
-    """Enter ``disable_casts``: return what to restore with ``restore``."""
-    global current
-    previous = current
-    if previous is not None:
-        current = DISABLED
-    return previous
+    """Enter ``disable_casts``: return what to restore with ``restore``.
+
+    Blocks may overlap across threads (two threads' ``optimizer.step()``, each run with casts
+    off): only the outermost block saves the policy and only the last one to leave restores it, so
+    one thread leaving cannot switch casts off for good or on under the other.
+    """
+    global current, _disabled_depth, _policy_before_disabled
+    with _disabled_lock:
+        if _disabled_depth == 0:
+            _policy_before_disabled = current
+            if current is not None:
+                current = DISABLED
+        _disabled_depth += 1
+    return _policy_before_disabled
 
 
 def restore(previous):
-    global current
-    current = previous
+    """Leave a ``disable_casts`` block entered with ``disabled``."""
+    global current, _disabled_depth
+    with _disabled_lock:
+        _disabled_depth -= 1
+        if _disabled_depth == 0:
+            current = _policy_before_disabled

@@ -29,6 +29,7 @@ ALIASES = {"amp": "amp", "fp16_utils": "fp16_utils"}
 #: ``apex.<name>`` -> our module, only where no NVIDIA Apex is installed (it ships these itself).
 ALIASES_WITHOUT_NVIDIA_APEX = {
     "multi_tensor_apply": "amp.multi_tensor_apply",
+    "optimizers": "amp.optimizers",
     "parallel": "amp.parallel",
 }
 

@@ -56,6 +56,8 @@ else:
     try:
         import apex.optimizers
         out["optimizers"] = apex.optimizers.__file__
+        out["fused"] = {n: getattr(apex.optimizers, n).__module__ for n in ("FusedSGD", "FusedAdam")
+                        if hasattr(apex.optimizers, n)}
     except ImportError:
         out["optimizers"] = None
 print(json.dumps(out))
@@ -194,6 +196,7 @@ def test_enabled_new_process_resolves_every_apex_name_to_the_same_modules(world)
     assert result["parallel"] == dict(DistributedDataParallel="amp.parallel.distributed",
                                       LARC="amp.parallel.larc", SyncBatchNorm="amp.parallel.sync_batchnorm",
                                       convert_syncbn_model="amp.parallel.sync_batchnorm")
+    assert result["fused"] == dict(FusedSGD="amp.optimizers.fused_sgd", FusedAdam="amp.optimizers.fused_adam")
 
 
 def test_without_nvidia_apex_plain_import_apex_reaches_its_modules_as_attributes(world):

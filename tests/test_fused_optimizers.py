@@ -386,23 +386,24 @@ def test_checkpoint_resumes_bit_exactly_under_master_weights(name, opt_level):
     make = fused(name, **MODEL_GRADS)
     inject = {(2, 0)} if opt_level == "O2" else set()  # O5's static scale checks nothing
     expected_model, expected_optimizer = run(opt_level, make, steps=6, inject=inject)
-    expected = dict(trained(expected_model, expected_optimizer), amp=amp.state_dict())
+    expected = dict(trained(expected_model, expected_optimizer), amp=amp.state_dict(optimizer=expected_optimizer))
     model, optimizer = run(opt_level, make, steps=3, inject=inject)
     buffer = io.BytesIO()
-    torch.save(dict(model=model.state_dict(), optimizer=optimizer.state_dict(), amp=amp.state_dict()), buffer)
+    torch.save(dict(model=model.state_dict(), optimizer=optimizer.state_dict(),
+                    amp=amp.state_dict(optimizer=optimizer)), buffer)
     buffer.seek(0)
     checkpoint = torch.load(buffer, weights_only=True)
     model = net(seed=1)
     model, optimizer = amp.initialize(model, make(model.parameters()), opt_level=opt_level, verbosity=0)
     model.load_state_dict(checkpoint["model"])
     optimizer.load_state_dict(checkpoint["optimizer"])
-    amp.load_state_dict(checkpoint["amp"])
+    amp.load_state_dict(checkpoint["amp"], optimizer=optimizer)
     for step in range(3, 6):
         with amp.scale_loss(loss_of(model(batch(step))), optimizer) as scaled_loss:
             scaled_loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-    assert_identical(dict(trained(model, optimizer), amp=amp.state_dict()), expected)
+    assert_identical(dict(trained(model, optimizer), amp=amp.state_dict(optimizer=optimizer)), expected)
 
 
 def run_clipped(make_optimizer):

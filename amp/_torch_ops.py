@@ -703,8 +703,9 @@ def multi_tensor_adam(chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, eps
     ``sqrt`` is the correctly rounded fp32 square root (IEEE, as CUDA's ``__fsqrt_rn``). That is
     torch.optim.Adam / AdamW's arithmetic (``foreach=False``), but torch's CPU ``sqrt`` (MKL) is
     not correctly rounded, so where it is off by an ulp ``denom`` differs by one ulp and the
-    parameters drift apart by a few ulps over hundreds of steps (tests/test_fused_ops.py measures
-    it); torch's libm ``beta ** step`` may also differ from the power above in the last fp64 bit.
+    parameters drift apart by a few ulps (tests/test_fused_ops.py gives torch a correctly rounded
+    ``sqrt`` and compares bit for bit); torch's libm ``beta ** step`` may also differ from the
+    power above in the last fp64 bit.
     """
     op = "multi_tensor_adam"
     _check_chunk_size(op, chunk_size)

@@ -6,6 +6,7 @@ scale and by its inverse is exact in fp32, so a dynamically scaled fp32 run equa
 fp32 run bit for bit. Where a level rounds the model itself (O1-O5), the tests say what they
 compare and with which tolerance.
 """
+import contextlib
 import copy
 import functools
 
@@ -34,6 +35,39 @@ def needs_fused(*optimizer_classes, device="cpu"):
     missing = [cls.__name__ for cls in optimizer_classes if not has_fused(cls, device)]
     return pytest.mark.skipif(bool(missing), reason=f"torch {torch.__version__} has no fused "
                               f"{', '.join(missing)} on {device}")
+
+
+@contextlib.contextmanager
+def correctly_rounded_sqrt():
+    """Within the block, ``Tensor.sqrt`` of fp32 is correctly rounded (fp64's root rounded once).
+
+    torch's CPU ``sqrt`` (MKL's) is not, on every CPU build: about one fp32 root in six is an ulp
+    off, and which ones depends on the CPU's instruction set. amp's kernels round correctly, as
+    CUDA's does, so torch.optim's Adam stepped inside this block is their bit-exact reference.
+    """
+    own = vars(torch.Tensor).get("sqrt")
+    original = torch.Tensor.sqrt
+
+    def sqrt(self):
+        return original(self.double()).float() if self.dtype == torch.float32 else original(self)
+    torch.Tensor.sqrt = sqrt
+    try:
+        yield
+    finally:
+        if own is None:
+            del torch.Tensor.sqrt
+        else:
+            torch.Tensor.sqrt = own
+
+
+def with_correctly_rounded_sqrt(optimizer_class):
+    """A subclass of ``optimizer_class`` whose ``step`` runs inside :func:`correctly_rounded_sqrt`."""
+    class Reference(optimizer_class):
+        def step(self, closure=None):
+            with correctly_rounded_sqrt():
+                return super().step(closure)
+    Reference.__name__ = Reference.__qualname__ = optimizer_class.__name__
+    return Reference
 
 
 # From amp's opt-level table; tests/test_initialize.py pins the table itself to Apex's presets.

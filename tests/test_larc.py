@@ -93,8 +93,9 @@ def test_larc_skips_the_whole_step_on_overflow():
 
 def test_larc_checkpoint_round_trip_resumes_bit_exactly_under_o2():
     model, optimizer = larc_run("O2", 2, loss_scale="dynamic")
+    # Both runs stay live in this process, so each saves and loads its own run's scalers.
     saved = copy.deepcopy(dict(model=model.state_dict(), optimizer=optimizer.state_dict(),
-                               amp=amp.state_dict()))
+                               amp=amp.state_dict(optimizer=optimizer)))
     for step in range(2, 4):
         with amp.scale_loss(loss_of(model(batch(step))), optimizer) as scaled_loss:
             scaled_loss.backward()
@@ -108,7 +109,7 @@ def test_larc_checkpoint_round_trip_resumes_bit_exactly_under_o2():
                                           loss_scale="dynamic")
     resumed.load_state_dict(saved["model"])
     resumed_opt.load_state_dict(saved["optimizer"])
-    amp.load_state_dict(saved["amp"])
+    amp.load_state_dict(saved["amp"], optimizer=resumed_opt)
     for step in range(2, 4):
         with amp.scale_loss(loss_of(resumed(batch(step))), resumed_opt) as scaled_loss:
             scaled_loss.backward()

@@ -65,6 +65,10 @@ class FusedMasterWeights(WithMasterWeights):
         super().add_param_group(new_group)
         self._publish_model_copies()
 
+    @property
+    def hides_master_grads(self):
+        return not self.materialize_master_grads and self.phase in (Phase.UNSCALED, Phase.GRADS_SCALED)
+
     def _publish_model_copies(self):
         self.optimizer._amp_model_copies = dict(zip(self.all_fp32_from_fp16_params, self.all_fp16_params))
         self.optimizer._amp_grads_from_model = not self.materialize_master_grads

@@ -173,6 +173,9 @@ class OptimizerController:
     """
 
     master_weights = False
+    # True while the grads waiting for step() exist only in the model, so amp.master_params shows no
+    # grads (amp.optimizers with materialize_master_grads=False).
+    hides_master_grads = False
 
     def __init__(self, optimizer, context, param_names, max_consecutive_skips):
         self.optimizer = optimizer

@@ -2,6 +2,7 @@
 
 The opt-level table below is the single source of truth for what each preset means.
 """
+import warnings
 from typing import NamedTuple, Optional
 
 import torch
@@ -306,8 +307,17 @@ def master_params(optimizer):
     """Yield every parameter the optimizer steps: the fp32 masters under O2/O5.
 
     Clip gradients and read optimizer-side values through these, not ``model.parameters()``:
-    under master weights the model's own low-precision ``.grad`` stay scaled.
+    under master weights the model's own low-precision ``.grad`` stay scaled. An ``amp.optimizers``
+    optimizer with ``materialize_master_grads=False`` keeps no fp32 master grads, so between
+    ``scale_loss`` and ``step`` this warns: clipping them would clip nothing.
     """
+    stash = getattr(optimizer, "_amp_stash", None)
+    if stash is not None and stash.hides_master_grads:
+        warnings.warn(
+            f"amp.master_params(optimizer) has no gradients to read or clip: "
+            f"{type(optimizer).__name__}(materialize_master_grads=False) steps from the model's scaled "
+            f"fp16/bf16 gradients, so clip_grad_norm_ on the masters would clip nothing. Pass "
+            f"materialize_master_grads=True to the optimizer to clip master gradients.", stacklevel=2)
     for group in optimizer.param_groups:
         yield from group["params"]
 

@@ -8,6 +8,7 @@ cannot (pure fp16/bf16 params at O3, which torch updates with a rounding after e
 the kernel in fp32; grads accumulated in fp16 without master grads) the tests state the bound.
 """
 import io
+import warnings
 
 import pytest
 import torch
@@ -393,6 +394,35 @@ def run_clipped(make_optimizer):
         optimizer.step()
         optimizer.zero_grad()
     return model, optimizer
+
+
+@pytest.mark.parametrize("name", ["sgd", "adamw"])
+def test_reading_master_params_between_backward_and_step_warns_where_there_are_no_master_grads(name):
+    model = net()
+    model, optimizer = amp.initialize(model, fused(name, **MODEL_GRADS)(model.parameters()), opt_level="O2",
+                                      verbosity=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        list(amp.master_params(optimizer))  # before any backward: nothing to clip yet, no warning
+    with amp.scale_loss(loss_of(model(batch(0))), optimizer) as scaled_loss:
+        scaled_loss.backward()
+    with pytest.warns(UserWarning, match="materialize_master_grads=True"):
+        torch.nn.utils.clip_grad_norm_(amp.master_params(optimizer), 0.05)
+    optimizer.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        list(amp.master_params(optimizer))
+
+
+def test_reading_master_params_with_materialized_master_grads_does_not_warn():
+    model = net()
+    model, optimizer = amp.initialize(model, fused("adamw", materialize_master_grads=True)(model.parameters()),
+                                      opt_level="O2", verbosity=0)
+    with amp.scale_loss(loss_of(model(batch(0))), optimizer) as scaled_loss:
+        scaled_loss.backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert all(master.grad is not None for master in amp.master_params(optimizer))
 
 
 @pytest.mark.parametrize("name", ["sgd", "adamw"])

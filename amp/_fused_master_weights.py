@@ -17,8 +17,12 @@ kernel. What this controller then does at each ``scale_loss`` exit:
 * fp32 model params (batch norm) are their own masters: their grads are unscaled in place, as
   without fused optimizers.
 
+Code written for Apex reads or clips the masters' grads (``amp.master_params``) between
+``scale_loss`` and ``step``; there and then the model's grads are unscaled into fp32 master grads,
+and the rest of that step runs as with ``materialize_master_grads=True``.
+
 The optimizer finds what it needs as attributes: ``_amp_model_copies`` (master -> model param),
-``_amp_grads_from_model`` (``materialize_master_grads`` as it was at ``amp.initialize``), and
+``_amp_grads_from_model`` (whether this step reads the model's grads rather than master grads), and
 Apex's ``most_recent_scale`` / ``scale_set_by_backward``.
 """
 import torch
@@ -28,7 +32,15 @@ from ._process_optimizer import (Phase, WithMasterWeights, _combine_flags, _put_
                                  _stash_and_clear_grads, _unscale_models_are_masters)
 from .multi_tensor_apply import multi_tensor_applier, multi_tensor_axpby, multi_tensor_scale
 
-__all__ = ["FusedMasterWeights"]
+__all__ = ["FusedMasterWeights", "inverse"]
+
+
+def inverse(scale):
+    """``1 / scale`` as a 1-element fp32 tensor (or the float 1.0); the reciprocal is taken in fp64, as
+    amp's scaler and GradScaler take it, so a fused step unscales to the same bits as their separate pass."""
+    if not isinstance(scale, torch.Tensor):
+        return 1.0 / float(scale) if float(scale) != 1.0 else 1.0
+    return scale.detach().reshape(1).to(torch.float64).reciprocal().to(torch.float32)
 
 
 def _smaller(a, b):
@@ -54,6 +66,8 @@ class FusedMasterWeights(WithMasterWeights):
     def __init__(self, *args):
         super().__init__(*args)
         self.materialize_master_grads = bool(self.optimizer.materialize_master_grads)
+        # This step's mode: materialize_master_grads, or True once amp.master_params made them.
+        self.reads_master_grads = self.materialize_master_grads
         self._scratch_flags = {}
 
     def init_params(self, fp32_values=None):
@@ -65,13 +79,36 @@ class FusedMasterWeights(WithMasterWeights):
         super().add_param_group(new_group)
         self._publish_model_copies()
 
-    @property
-    def hides_master_grads(self):
-        return not self.materialize_master_grads and self.phase in (Phase.UNSCALED, Phase.GRADS_SCALED)
-
     def _publish_model_copies(self):
         self.optimizer._amp_model_copies = dict(zip(self.all_fp32_from_fp16_params, self.all_fp16_params))
-        self.optimizer._amp_grads_from_model = not self.materialize_master_grads
+        self._set_mode(self.reads_master_grads)
+
+    def _set_mode(self, reads_master_grads):
+        self.reads_master_grads = reads_master_grads
+        self.optimizer._amp_grads_from_model = not reads_master_grads
+
+    def prepare_master_grads(self):
+        """Unscale the model's grads, which wait for step(), into fp32 master grads (Apex's state there)."""
+        if self.reads_master_grads or self.phase is not Phase.UNSCALED:
+            return
+        models, masters = [], []
+        for index, (param, master) in enumerate(zip(self.all_fp16_params, self.all_fp32_from_fp16_params)):
+            if param.grad is not None:
+                master.grad = self._master_grad_buffer(index, master)
+                models.append(param.grad)
+                masters.append(master.grad)
+        if models:
+            # Checked at the scale_loss exit already (an overflow skips the step): the flag is a throwaway.
+            flag = torch.zeros(1, dtype=torch.float32, device=models[0].device)
+            multi_tensor_applier(multi_tensor_scale, flag, [models, masters], inverse(self.optimizer.most_recent_scale))
+        self._set_mode(True)
+
+    def _check_step(self, closure):
+        if self.optimizer.materialize_master_grads != self.materialize_master_grads:
+            raise RuntimeError(f"{type(self.optimizer).__name__}.materialize_master_grads was changed after "
+                               "amp.initialize, which reads it once. Construct the optimizer with the "
+                               "value you want, then call amp.initialize.")
+        super()._check_step(closure)
 
     def _after_step(self, copy_masters):
         """The kernel wrote the model copies: only the masters' grads and the carried scale are reset."""
@@ -83,6 +120,7 @@ class FusedMasterWeights(WithMasterWeights):
     def _forget_scale(self):
         self.optimizer.most_recent_scale = 1.0
         self.optimizer.scale_set_by_backward = False
+        self._set_mode(self.materialize_master_grads)
 
     def zero_grad(self, set_to_none=True):
         super().zero_grad(set_to_none)
@@ -93,12 +131,12 @@ class FusedMasterWeights(WithMasterWeights):
     def begin_backward(self, set_aside_grads=True):
         """A ``delay_unscale`` block right after an unscaled one sets the grads aside too: they carry
         the earlier scale, which its exit may have changed."""
-        if not self.materialize_master_grads:
+        if not self.reads_master_grads:
             set_aside_grads = set_aside_grads or self.phase is Phase.UNSCALED
         super().begin_backward(set_aside_grads)
 
     def set_grads_aside(self):
-        if self.materialize_master_grads:
+        if self.reads_master_grads:
             return super().set_grads_aside()
         if self.optimizer.scale_set_by_backward:
             _stash_and_clear_grads(self.all_fp16_params, self.all_fp16_grad_stash)
@@ -109,14 +147,14 @@ class FusedMasterWeights(WithMasterWeights):
         _stash_and_clear_grads(self.all_fp32_from_fp32_params, self.all_fp32_from_fp32_grad_stash)
 
     def _restore_grads(self):
-        if self.materialize_master_grads:
+        if self.reads_master_grads:
             return super()._restore_grads()
         _put_back_grads(self.all_fp16_params, self.all_fp16_grad_stash)
         _put_back_grads(self.all_fp32_from_fp32_params, self.all_fp32_from_fp32_grad_stash)
 
     def unscale_grads(self, scaler):
         """Check the new low-precision grads and bring every grad to one scale; nothing is unscaled."""
-        if self.materialize_master_grads:
+        if self.reads_master_grads:
             return super().unscale_grads(scaler)
         fresh, new, old, alone = [], [], [], []
         for param in self.all_fp16_params:

@@ -173,9 +173,6 @@ class OptimizerController:
     """
 
     master_weights = False
-    # True while the grads waiting for step() exist only in the model, so amp.master_params shows no
-    # grads (amp.optimizers with materialize_master_grads=False).
-    hides_master_grads = False
 
     def __init__(self, optimizer, context, param_names, max_consecutive_skips):
         self.optimizer = optimizer
@@ -208,6 +205,9 @@ class OptimizerController:
         """Apex's flag: a ``delay_unscale`` block left the grads scaled (still so inside a block)."""
         phase = self._phase_before_backward if self.phase is Phase.IN_BACKWARD else self.phase
         return phase is Phase.GRADS_SCALED
+
+    def prepare_master_grads(self):
+        """Called by ``amp.master_params``: make the grads it yields hold this step's gradients."""
 
     def lazy_init(self, fp32_values=None):
         """Build the param lists once (``fp32_values``: exact initial values for new masters)."""

@@ -2,7 +2,6 @@
 
 The opt-level table below is the single source of truth for what each preset means.
 """
-import warnings
 from typing import NamedTuple, Optional
 
 import torch
@@ -308,16 +307,12 @@ def master_params(optimizer):
 
     Clip gradients and read optimizer-side values through these, not ``model.parameters()``:
     under master weights the model's own low-precision ``.grad`` stay scaled. An ``amp.optimizers``
-    optimizer with ``materialize_master_grads=False`` keeps no fp32 master grads, so between
-    ``scale_loss`` and ``step`` this warns: clipping them would clip nothing.
+    optimizer with ``materialize_master_grads=False`` keeps no fp32 master grads; between
+    ``scale_loss`` and ``step`` this makes them, for that step, so that clipping them works as in Apex.
     """
     stash = getattr(optimizer, "_amp_stash", None)
-    if stash is not None and stash.hides_master_grads:
-        warnings.warn(
-            f"amp.master_params(optimizer) has no gradients to read or clip: "
-            f"{type(optimizer).__name__}(materialize_master_grads=False) steps from the model's scaled "
-            f"fp16/bf16 gradients, so clip_grad_norm_ on the masters would clip nothing. Pass "
-            f"materialize_master_grads=True to the optimizer to clip master gradients.", stacklevel=2)
+    if stash is not None:
+        stash.prepare_master_grads()
     for group in optimizer.param_groups:
         yield from group["params"]
 

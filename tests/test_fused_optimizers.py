@@ -8,7 +8,6 @@ cannot (pure fp16/bf16 params at O3, which torch updates with a rounding after e
 the kernel in fp32; grads accumulated in fp16 without master grads) the tests state the bound.
 """
 import io
-import warnings
 
 import pytest
 import torch
@@ -397,32 +396,34 @@ def run_clipped(make_optimizer):
 
 
 @pytest.mark.parametrize("name", ["sgd", "adamw"])
-def test_reading_master_params_between_backward_and_step_warns_where_there_are_no_master_grads(name):
-    model = net()
-    model, optimizer = amp.initialize(model, fused(name, **MODEL_GRADS)(model.parameters()), opt_level="O2",
-                                      verbosity=0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        list(amp.master_params(optimizer))  # before any backward: nothing to clip yet, no warning
-    with amp.scale_loss(loss_of(model(batch(0))), optimizer) as scaled_loss:
-        scaled_loss.backward()
-    with pytest.warns(UserWarning, match="materialize_master_grads=True"):
-        torch.nn.utils.clip_grad_norm_(amp.master_params(optimizer), 0.05)
-    optimizer.step()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        list(amp.master_params(optimizer))
+def test_o2_clipping_master_grads_without_materialized_master_grads_clips_as_apex_did(name):
+    # Apex-era code clips amp.master_params(optimizer) whatever the optimizer: the masters' grads are
+    # made when it reads them, for that step only.
+    model, optimizer = run_clipped(fused(name, **MODEL_GRADS))
+    assert_identical(trained(model, optimizer), trained(*run_clipped(reference(name))))
+    assert optimizer._amp_grads_from_model  # the next step reads the model's grads again
 
 
-def test_reading_master_params_with_materialized_master_grads_does_not_warn():
+def run_reading_master_grads_between_passes(make_optimizer):
+    """Two backward passes per step, the masters' grad norm read after the first (as logging does)."""
     model = net()
-    model, optimizer = amp.initialize(model, fused("adamw", materialize_master_grads=True)(model.parameters()),
-                                      opt_level="O2", verbosity=0)
-    with amp.scale_loss(loss_of(model(batch(0))), optimizer) as scaled_loss:
-        scaled_loss.backward()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert all(master.grad is not None for master in amp.master_params(optimizer))
+    model, optimizer = amp.initialize(model, make_optimizer(model.parameters()), opt_level="O2", verbosity=0)
+    norms = []
+    for step in range(3):
+        for micro in range(2):
+            with amp.scale_loss(loss_of(model(batch(2 * step + micro))), optimizer) as scaled_loss:
+                scaled_loss.backward()
+            if micro == 0:
+                norms.append(torch.stack([m.grad.norm() for m in amp.master_params(optimizer)]))
+        optimizer.step()
+        optimizer.zero_grad()
+    return dict(trained(model, optimizer), norms=norms)
+
+
+@pytest.mark.parametrize("name", ["sgd", "adamw"])
+def test_master_grads_made_by_reading_them_accumulate_later_passes_as_materialized_ones_do(name):
+    assert_identical(run_reading_master_grads_between_passes(fused(name, **MODEL_GRADS)),
+                     run_reading_master_grads_between_passes(fused(name, materialize_master_grads=True)))
 
 
 @pytest.mark.parametrize("name", ["sgd", "adamw"])

@@ -11,13 +11,13 @@ Two callers hand a step more than the parameters' ``.grad``:
   this scale; the op divides it out), as for torch's own fused optimizers.
 * ``amp`` under master weights (O2/O5) sets ``_amp_model_copies`` (master -> low-precision model
   param): the op then writes the rounded master into the model param itself, and, with
-  ``_amp_grads_from_model`` (``materialize_master_grads=False`` at ``amp.initialize``), reads the
-  model param's low-precision grad, which carries ``most_recent_scale``, instead of an fp32 master
-  grad.
+  ``_amp_grads_from_model`` (set by amp per step: ``materialize_master_grads=False`` and no one read
+  ``amp.master_params``' grads), reads the model param's low-precision grad, which carries
+  ``most_recent_scale``, instead of an fp32 master grad.
 """
 import torch
 
-from amp._fused_master_weights import FusedMasterWeights
+from amp._fused_master_weights import FusedMasterWeights, inverse
 
 __all__ = ["FusedOptimizer"]
 
@@ -31,14 +31,6 @@ def check_real(name, value, low, high=float("inf"), high_open=False):
     if not ok:
         upper = f"{high})" if high_open else f"{high}]"
         raise ValueError(f"Invalid {name}: {value!r}; expected a number in [{low}, {upper}.")
-
-
-def _inverse(scale):
-    """``1 / scale`` as a 1-element fp32 tensor; the reciprocal is taken in fp64 as amp's scaler and
-    GradScaler take it, so a fused step unscales to the same bits as their separate pass."""
-    if not isinstance(scale, torch.Tensor):
-        return 1.0 / float(scale) if float(scale) != 1.0 else 1.0
-    return scale.detach().reshape(1).to(torch.float64).reciprocal().to(torch.float32)
 
 
 class Bucket:
@@ -110,14 +102,10 @@ class FusedOptimizer(torch.optim.Optimizer):
         grad_scale = getattr(self, "grad_scale", None)
         copies = getattr(self, "_amp_model_copies", None) or {}
         from_model = getattr(self, "_amp_grads_from_model", False)
-        if copies and from_model == self.materialize_master_grads:
-            raise RuntimeError(f"{type(self).__name__}.materialize_master_grads was changed after "
-                               "amp.initialize, which reads it once. Construct the optimizer with the "
-                               "value you want, then call amp.initialize.")
         # Everything is checked before the first op writes anything.
         plans = [self._buckets(group, copies, from_model) for group in self.param_groups]
-        inv_scale = 1.0 if grad_scale is None else _inverse(grad_scale)
-        model_inv_scale = _inverse(self.most_recent_scale) if from_model else inv_scale
+        inv_scale = 1.0 if grad_scale is None else inverse(grad_scale)
+        model_inv_scale = inverse(self.most_recent_scale) if from_model else inv_scale
         if from_model and grad_scale is not None:
             raise RuntimeError(f"{type(self).__name__}.step got a grad_scale while amp left the model's "
                                "gradients scaled by its own loss scale; use amp or GradScaler, not both.")

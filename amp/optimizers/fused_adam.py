@@ -24,8 +24,9 @@ class FusedAdam(FusedOptimizer):
     Under ``amp.initialize`` at O2/O5 the same pass reads the model's fp16/bf16 gradients, divides
     the loss scale out, updates the fp32 master and its state and writes the rounded master into the
     model parameter: no fp32 master gradients are made and no separate master->model copy runs.
-    Pass ``materialize_master_grads=True`` to have amp unscale into fp32 master gradients first (for
-    gradient clipping or reading gradients on ``amp.master_params``).
+    Reading ``amp.master_params(optimizer)`` between ``scale_loss`` and ``step`` (to clip, as Apex-era
+    code does) makes them for that step. ``materialize_master_grads=True`` has amp unscale into fp32
+    master gradients after every backward, as for any optimizer.
 
     Args:
         params: parameters or param groups (float32, float16 or bfloat16; dense gradients).

@@ -23,7 +23,8 @@ class FusedSGD(FusedOptimizer):
     fp16/bf16 model parameter, so amp's separate master->model copy is skipped. With
     ``materialize_master_grads=False`` it also reads the model's low-precision gradients directly
     (no fp32 master gradients are made; the loss scale is divided out inside the pass), which saves
-    another pass; keep the default ``True`` to clip or read gradients on ``amp.master_params``.
+    another pass; reading ``amp.master_params(optimizer)`` between ``scale_loss`` and ``step`` (to
+    clip) still makes them, for that step.
 
     Args:
         params: parameters or param groups (float32, float16 or bfloat16; dense gradients).

@@ -61,7 +61,7 @@ def draw(history, title):
     """The two-panel :class:`matplotlib.figure.Figure` of ``history``; steps are numbered from 1."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-    from matplotlib.ticker import FuncFormatter, NullFormatter
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     fig = Figure(figsize=(7, 4.8), layout="constrained")
     FigureCanvasAgg(fig)
@@ -77,7 +77,11 @@ def draw(history, title):
                  label=f"skipped step ({len(skipped)})")
     # Masked, not clipped: a loss that rounds to 0 would otherwise draw a spike to the axis floor.
     ax_loss.set_yscale("log", nonpositive="mask")
-    # Plain numbers (0.01, not 10^-2) at the powers of ten only: a loss is read off, not its exponent.
+    # Plain numbers (0.01, not 10^-2): a loss is read off, not its exponent. Labels at the powers of
+    # ten, and at 2 and 5 times them too where the losses span less than a hundredfold (short runs).
+    positive = [loss for loss in history.losses if 0 < loss < math.inf]
+    if positive and max(positive) < 100 * min(positive):
+        ax_loss.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
     ax_loss.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
     ax_loss.yaxis.set_minor_formatter(NullFormatter())
     ax_loss.set_ylabel("training loss")

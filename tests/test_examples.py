@@ -4,6 +4,9 @@ Each one runs as a subprocess from the repository root with the repository on PY
 smoke run exits 1 by itself when it did not learn, and prints "first ... last ..." lines that
 are checked here as well.
 """
+import importlib.util
+import json
+import math
 import os
 import re
 import socket
@@ -11,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import matplotlib.image
 import pytest
 import torch
 
@@ -18,6 +22,19 @@ from amp_common import LEVELS
 
 REPO = Path(__file__).resolve().parents[1]
 TREND = re.compile(r"first(?: loss)? (\S+) last(?: loss)? (\S+)")
+SKIPPED = re.compile(r"(\d+) of (\d+) steps skipped")  # the simple example's count, from amp.skipped_steps
+
+
+def load(relative_path):
+    """A file of examples/ (not a package) as a module."""
+    path = REPO / relative_path
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+curves = load("examples/simple/curves.py")
 
 
 def run(*args, timeout=180):
@@ -61,7 +78,81 @@ def test_simple_same_seed_gives_same_run_and_writes_plot(tmp_path):
     second = run(*args)
     assert first.returncode == second.returncode == 0, first.stderr + second.stderr
     assert summary_without_timing(first.stdout) == summary_without_timing(second.stdout)
+    assert 10_000 < plot.stat().st_size < 150_000
+    image = matplotlib.image.imread(plot)  # decodes the whole PNG
+    assert image.shape[:2] == (480, 700)  # curves.save_plot: 7 x 4.8 inches at 100 dpi
+    assert image.std() > 0.05  # not a blank canvas
+
+
+# Runs the simple example with --plot and prints, as JSON, the History its picture is drawn from.
+PLOTTED_HISTORY = """
+import dataclasses, json, sys
+sys.path.insert(0, "examples/simple")
+import curves, train
+drawn = []
+save_plot = curves.save_plot
+def spy(history, path, title):
+    drawn.append(history)
+    save_plot(history, path, title)
+curves.save_plot = spy
+status = train.main(sys.argv[1:])
+print(json.dumps(dataclasses.asdict(drawn[0])))
+sys.exit(status)
+"""
+
+
+@pytest.mark.parametrize("batch_size", [
+    32,  # the default: its smoke run skips one step here, and stays in the first epoch
+    200,  # 7 steps an epoch: the 25 smoke steps cross 3 epoch boundaries
+])
+def test_simple_plot_is_drawn_from_every_step_its_skips_and_epochs(batch_size, tmp_path):
+    plot = tmp_path / "curves.png"
+    result = run("-c", PLOTTED_HISTORY, "--smoke", "--device", "cpu", "--opt-level", "O2",
+                 "--batch-size", str(batch_size), "--plot", str(plot))
+    assert result.returncode == 0, result.stdout + result.stderr
+    history = json.loads(result.stdout.strip().splitlines()[-1])
+    skipped, total = (int(n) for n in SKIPPED.search(result.stdout).groups())
+
+    assert len(history["losses"]) == len(history["scales"]) == len(history["applied"]) == total == 25
+    skipped_steps = [step for step, applied in enumerate(history["applied"]) if not applied]
+    assert len(skipped_steps) == skipped
+    # O2's dynamic scale starts at 2**16 and halves on every overflow: the skips are the drops.
+    scale_before = [2.0**16] + history["scales"][:-1]
+    assert skipped_steps == [step for step in range(total) if history["scales"][step] < scale_before[step]]
+    steps_per_epoch = 1437 // batch_size
+    assert history["epoch_starts"] == list(range(steps_per_epoch, total, steps_per_epoch))
     assert plot.stat().st_size > 0
+
+
+def test_curves_mark_skipped_steps_and_epoch_boundaries_on_both_panels():
+    history = curves.History(losses=[2.0, 1.5, 1.4, 1.0, 0.8, 0.5],
+                             scales=[4.0, 4.0, 2.0, 2.0, 1.0, 1.0],
+                             applied=[True, True, False, True, False, True], epoch_starts=[3])
+    ax_loss, ax_scale = curves.draw(history, "title").axes
+
+    def line(ax, label=None, xdata=None):
+        """The first line drawn on ``ax`` with this label and / or these x values."""
+        for candidate in ax.get_lines():
+            if label in (None, candidate.get_label()) and xdata in (None, list(candidate.get_xdata())):
+                return candidate
+        raise AssertionError(f"no line labelled {label!r} at x = {xdata} on {ax.get_ylabel()!r}")
+
+    loss_skips = line(ax_loss, "skipped step (2)")
+    assert list(loss_skips.get_xdata()) == [3, 5]  # steps are numbered from 1 in the picture
+    assert list(loss_skips.get_ydata()) == [1.4, 0.8]
+    assert list(line(ax_scale, xdata=[3, 5]).get_ydata()) == [2.0, 1.0]
+    assert list(line(ax_loss, "loss").get_ydata()) == history.losses
+    for ax in (ax_loss, ax_scale):
+        assert line(ax, xdata=[3.5, 3.5]).get_linestyle() == "--"  # between steps 3 and 4
+
+
+def test_curves_smoothed_loss_is_bias_corrected_and_passes_over_non_finite_losses():
+    assert curves.exponential_moving_average([2.0, 2.0, math.inf, 2.0, math.nan]) == pytest.approx([2.0] * 5)
+
+
+def test_curves_history_needs_one_entry_per_step():
+    with pytest.raises(ValueError, match="one entry per step"):
+        curves.History(losses=[1.0, 0.5], scales=[1.0], applied=[True, True])
 
 
 @pytest.mark.parametrize("opt_level", ["O1", "O2"])

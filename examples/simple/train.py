@@ -2,9 +2,10 @@
 
     python examples/simple/train.py                      # O2 on cuda if present, else cpu
     python examples/simple/train.py --opt-level O0       # the fp32 baseline to compare with
-    python examples/simple/train.py --opt-level O5 --plot curves.png
+    python examples/simple/train.py --opt-level O1 --plot curves.png
 
 The amp-specific lines are the three marked "amp:"; everything else is an ordinary training loop.
+``--plot`` draws the loss, the loss scale and the skipped steps against the step (``curves.py``).
 """
 import argparse
 import os
@@ -20,6 +21,7 @@ import amp  # amp: where Apex code had `from apex import amp`
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402  (examples/common.py, found through the line above)
+import curves  # noqa: E402  (examples/simple/curves.py, next to this script)
 
 
 class DigitsNet(nn.Module):
@@ -49,7 +51,8 @@ def parse_args(argv=None):
     parser.add_argument("--epochs", type=common.positive_int, default=8)
     parser.add_argument("--batch-size", type=common.batch_size_arg(), default=32)
     parser.add_argument("--lr", type=common.positive_float, default=0.05)
-    parser.add_argument("--plot", metavar="PNG", help="save loss and loss-scale curves to this file")
+    parser.add_argument("--plot", metavar="PNG",
+                        help="save the loss, the loss scale and the skipped steps per step to this PNG")
     return parser.parse_args(argv)
 
 
@@ -62,25 +65,6 @@ def evaluate(model, x, y, batch_size=512):
             correct += (logits.argmax(dim=1) == y[start:start + batch_size]).sum().item()
     model.train()
     return 100.0 * correct / len(x)
-
-
-def plot_curves(path, losses, scales, title):
-    import matplotlib
-    matplotlib.use("Agg")  # no display needed; must precede pyplot
-    import matplotlib.pyplot as plt
-
-    fig, (ax_loss, ax_scale) = plt.subplots(2, 1, sharex=True, figsize=(6, 5))
-    ax_loss.plot(losses)
-    ax_loss.set_ylabel("training loss")
-    ax_loss.set_yscale("log")
-    ax_scale.plot(scales)
-    ax_scale.set_ylabel("loss scale")
-    ax_scale.set_yscale("log", base=2)
-    ax_scale.set_xlabel("step")
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
 
 
 def main(argv=None):
@@ -98,11 +82,16 @@ def main(argv=None):
     steps_per_epoch = len(x_train) // args.batch_size
     total_steps = min(25, steps_per_epoch * args.epochs) if args.smoke else steps_per_epoch * args.epochs
     order = torch.Generator().manual_seed(args.seed)
-    losses, scales = [], []
+    losses, scales, epoch_starts = [], [], []
+    # Only for the plot: whether each step was applied, kept as device tensors and read once at
+    # the end, so plotting adds no per-step sync.
+    applied = [] if args.plot else None
     progress = tqdm(total=total_steps, desc=f"{args.opt_level} {device}", disable=args.smoke,
                     dynamic_ncols=True)
     start = time.perf_counter()
     while len(losses) < total_steps:
+        if losses:
+            epoch_starts.append(len(losses))
         for inputs, targets in common.batches(x_train, y_train, args.batch_size, order):
             loss = F.cross_entropy(model(inputs), targets)
             optimizer.zero_grad()
@@ -113,6 +102,8 @@ def main(argv=None):
 
             losses.append(loss.item())
             scales.append(scaler.loss_scale())
+            if applied is not None:
+                applied.append(amp.last_step_applied(optimizer))
             progress.set_postfix(loss=f"{losses[-1]:.4f}", scale=f"{scales[-1]:g}", refresh=False)
             progress.update()
             if len(losses) == total_steps:
@@ -124,7 +115,12 @@ def main(argv=None):
 
     accuracy = evaluate(model, x_test, y_test)
     if args.plot:
-        plot_curves(args.plot, losses, scales, f"digits CNN, amp {args.opt_level} on {device}")
+        history = curves.History(losses, scales, torch.stack(applied).tolist(), epoch_starts)
+        curves.save_plot(history, args.plot,
+                         f"digits CNN, amp {args.opt_level} on {device}: test accuracy {accuracy:.2f}%")
+        epochs = len(epoch_starts) + 1  # the last one may be partial
+        print(f"plotted {len(history)} steps ({len(history.skipped_steps)} skipped) over {epochs} "
+              f"epoch{'s' if epochs > 1 else ''} to {args.plot}")
     fell = common.report_loss_trend(args.opt_level, losses)
     print(f"{args.opt_level} on {device}: test accuracy {accuracy:.2f}%, "
           f"{int(amp.skipped_steps(optimizer))} of {total_steps} steps skipped, "

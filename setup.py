@@ -151,7 +151,7 @@ def _amp_C_extension(with_cuda):
                 objects = self._compile_cuda(Path(self.build_temp) / "amp_C_cuda", gencode)
                 # amp_C.build_info() reports the images (sm_80, compute_90, ...), so that
                 # `python -m amp.check` can tell whether they cover the GPUs it finds.
-                images = ",".join(flag.split("code=")[1] for flag in gencode)
+                images = ",".join(flag.rsplit("code=", 1)[1] for flag in gencode)
                 for ext in self.extensions:
                     ext.extra_objects = list(ext.extra_objects or []) + objects
                     ext.extra_compile_args = list(ext.extra_compile_args) + [f"-DAMP_CUDA_IMAGES={images}"]

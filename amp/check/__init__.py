@@ -70,7 +70,8 @@ def _devices(names: Optional[Sequence[str]]) -> List[torch.device]:
                 devices += [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
                 continue
             if device.index >= torch.cuda.device_count():
-                raise ValueError(f"--device {name}: only {torch.cuda.device_count()} CUDA devices are visible")
+                count = torch.cuda.device_count()
+                raise ValueError(f"--device {name}: only {count} CUDA devices are visible")
         elif device.type != "cpu":
             raise ValueError(f"--device {name}: amp.check knows the CPU and CUDA devices only")
         devices.append(device)

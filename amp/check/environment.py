@@ -121,7 +121,8 @@ def _image_covers(image: str, major: int, minor: int) -> bool:
     match = re.fullmatch(r"(sm|compute)_(\d+)(\d)([af]?)", image)
     if match is None:
         return False
-    kind, img_major, img_minor, suffix = match.group(1), int(match.group(2)), int(match.group(3)), match.group(4)
+    kind, suffix = match.group(1), match.group(4)
+    img_major, img_minor = int(match.group(2)), int(match.group(3))
     if suffix == "a":  # architecture-specific code runs on exactly that GPU
         return (major, minor) == (img_major, img_minor)
     if kind == "sm" or suffix == "f":  # SASS runs on later minors of the same major

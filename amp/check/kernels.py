@@ -134,7 +134,7 @@ def _layouts(quick: bool, many: int = 130) -> List[Layout]:
 def _main_layouts(quick: bool) -> List[Layout]:
     """The layouts every dtype combination runs on; the others run a few."""
     layouts = _layouts(quick)
-    return layouts[:1] if quick else [layouts[0], layouts[3]]
+    return layouts[:1] if quick else [layouts[0], layouts[3], layouts[4]]
 
 
 def _quick_subset(quick: bool, combinations: Sequence[Tuple[Any, ...]],
@@ -314,15 +314,18 @@ def _axpby_cases(device: torch.device, quick: bool) -> Iterator[Case]:
             yield Case(f"{_name(xd)}, {_name(yd)} -> {_name(od)}, {layout.label}", _call(op, make))
     nine = _sizes(1, 9, CHUNK)
     checks = [(-1, "x"), (-1, "y"), (0, "x"), (0, "y"), (1, "x"), (1, "y"), (2, "x")]
-    for arg_to_check, poisoned, (value, where) in _quick_subset(quick, checks, list(itertools.product(NON_FINITE, WHERE))):
+    positions = list(itertools.product(NON_FINITE, WHERE))
+    for arg_to_check, poisoned, (value, where) in _quick_subset(quick, checks, positions):
         def bad(arg_to_check: int = arg_to_check, poisoned: str = poisoned, value: float = value,
                 where: str = where) -> Tuple[Any, ...]:
             gen = torch.Generator().manual_seed(101)
             xs = _tensors(gen, nine, torch.float16, device)
             ys = _tensors(gen, nine, torch.float32, device)
             _poison(xs if poisoned == "x" else ys, where, value)
-            return CHUNK, _flag(device), [xs, ys, _tensors(gen, nine, torch.float32, device)], 1.0, 2.0, arg_to_check
-        yield Case(f"{value} at the {where} element of {poisoned}, arg_to_check={arg_to_check}", _call(op, bad))
+            outs = _tensors(gen, nine, torch.float32, device)
+            return CHUNK, _flag(device), [xs, ys, outs], 1.0, 2.0, arg_to_check
+        label = f"{value} at the {where} element of {poisoned}, arg_to_check={arg_to_check}"
+        yield Case(label, _call(op, bad))
 
     def special(tensors: bool = False, in_place: bool = False) -> Tuple[Any, ...]:
         gen = torch.Generator().manual_seed(102)
@@ -413,7 +416,8 @@ def _hysteresis_cases(device: torch.device, quick: bool) -> Iterator[Case]:
 def _sgd_forms() -> List[Tuple[torch.dtype, ...]]:
     """Dtypes of [grads, weights, momentum_bufs(, model_copies)] that multi_tensor_sgd takes."""
     same: List[Tuple[torch.dtype, ...]] = [(d, d, d) for d in DTYPES]
-    copies: List[Tuple[torch.dtype, ...]] = [(g, torch.float32, torch.float32, c) for g in DTYPES for c in LOW]
+    copies: List[Tuple[torch.dtype, ...]] = [(g, torch.float32, torch.float32, c)
+                                             for g in DTYPES for c in LOW]
     return same + copies
 
 
@@ -427,7 +431,8 @@ def _adam_forms() -> List[Tuple[torch.dtype, ...]]:
 
 
 def _optimizer_lists(gen: torch.Generator, sizes: Sequence[int], form: Sequence[torch.dtype],
-                     device: torch.device, grad_scale: float, positive: Sequence[int] = ()) -> List[List[torch.Tensor]]:
+                     device: torch.device, grad_scale: float,
+                     positive: Sequence[int] = ()) -> List[List[torch.Tensor]]:
     lists = [_tensors(gen, sizes, form[0], device, scale=grad_scale)]
     for k, dtype in enumerate(form[1:], start=1):
         lists.append(_tensors(gen, sizes, dtype, device, shift=k, scale=0.1 if k > 1 else 1.0,
@@ -467,7 +472,8 @@ def _sgd_cases(device: torch.device, quick: bool) -> Iterator[Case]:
     yield Case("a set flag writes nothing", _call(op, special(flag_value=1)))
     yield Case("a device tensor as scale", _call(op, special(tensor_scale=True)))
     for value, where in _quick_subset(quick, [(v,) for v in NON_FINITE], WHERE):
-        yield Case(f"{value} at the {where} grad element (flag clear)", _call(op, special(poison=(value, where))))
+        yield Case(f"{value} at the {where} grad element (flag clear)",
+                   _call(op, special(poison=(value, where))))
 
 
 def _adam_cases(device: torch.device, quick: bool) -> Iterator[Case]:
@@ -505,7 +511,8 @@ def _adam_cases(device: torch.device, quick: bool) -> Iterator[Case]:
     yield Case("a set flag writes nothing", _call(op, special(flag_value=1)))
     yield Case("device tensors as step and inv_scale", _call(op, special(tensors=True)))
     for value, where in _quick_subset(quick, [(v,) for v in NON_FINITE], WHERE):
-        yield Case(f"{value} at the {where} grad element (flag clear)", _call(op, special(poison=(value, where))))
+        yield Case(f"{value} at the {where} grad element (flag clear)",
+                   _call(op, special(poison=(value, where))))
 
 
 def _cases(op: str, device: torch.device, quick: bool) -> Iterator[Case]:
@@ -543,5 +550,5 @@ def self_test(op: str, device: torch.device, quick: bool = False) -> Result:
         more = f" (and {len(failures) - 1} more cases)" if len(failures) > 1 else ""
         return Result(op, str(device), FAIL, f"{len(failures)} of {count} cases differ; first: "
                       f"{failures[0]}{more}", count, seconds)
-    how = f"within rtol {NORM_RTOL} (norms), bit for bit (flag, tensors)" if "l2norm" in op else "bit for bit"
-    return Result(op, str(device), PASS, f"amp_C equals the fallback, {how}", count, seconds)
+    how = f"norms within rtol {NORM_RTOL}, flag and tensors bit for bit" if "l2norm" in op else "bit for bit"
+    return Result(op, str(device), PASS, f"amp_C equals the fallback: {how}", count, seconds)

@@ -33,7 +33,8 @@ class Result:
     def line(self) -> str:
         """The progress line printed when the check finishes."""
         cases = f"{self.cases} cases, " if self.cases > 1 else ""
-        return f"  [{self.status}] {self.check} on {self.device}: {cases}{self.detail} ({self.seconds:.2f} s)"
+        took = "" if self.status == SKIP else f" ({self.seconds:.2f} s)"
+        return f"  [{self.status}] {self.check} on {self.device}: {cases}{self.detail}{took}"
 
     def cell(self) -> str:
         """What the summary table shows for this check and device."""

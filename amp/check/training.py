@@ -24,7 +24,7 @@ from torch.nn import functional as F
 
 import amp
 from amp import _torch_ops
-from amp._amp_state import _amp_state
+from amp._amp_state import AmpState, _amp_state
 from amp.multi_tensor_apply import path_for, use_extension
 
 from .report import FAIL, PASS, SKIP, Result
@@ -83,7 +83,7 @@ def _private_runs() -> Iterator[None]:
         yield
     finally:
         amp.deactivate()
-        _amp_state.__init__()  # back to a fresh process's state
+        vars(_amp_state).update(vars(AmpState()))  # back to a fresh process's state
 
 
 def _model(device: torch.device) -> nn.Module:

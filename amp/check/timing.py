@@ -25,7 +25,7 @@ __all__ = ["unscale_timing"]
 
 def _shapes(device: torch.device, quick: bool) -> List[int]:
     """A GPT-like mix: a few large matrices and many small vectors (elements per tensor)."""
-    width = {("cpu", True): 256, ("cpu", False): 512}.get((device.type, quick), 1024 if quick else 2048)
+    width = {("cpu", True): 192, ("cpu", False): 512}.get((device.type, quick), 1024 if quick else 2048)
     shapes = [8 * width * width]
     for _ in range(4):
         shapes += [width, width, 3 * width * width, 3 * width, width * width, width,

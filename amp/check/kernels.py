@@ -19,7 +19,7 @@ import inspect
 import itertools
 import random
 import time
-from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -301,8 +301,15 @@ def _scale_cases(device: torch.device, quick: bool) -> Iterator[Case]:
 def _axpby_cases(device: torch.device, quick: bool) -> Iterator[Case]:
     op = "multi_tensor_axpby"
     for layout in _layouts(quick):
-        triples = itertools.product(DTYPES, DTYPES, DTYPES) if layout in _main_layouts(quick) else [
-            (torch.float16, torch.float32, torch.float16), (torch.bfloat16, torch.bfloat16, torch.float32)]
+        if layout not in _main_layouts(quick):
+            triples: Iterable[Tuple[torch.dtype, ...]] = [
+                (torch.float16, torch.float32, torch.float16),
+                (torch.bfloat16, torch.bfloat16, torch.float32)]
+        elif quick:
+            # A Latin square: every pair of dtypes of (x, y), (x, out) and (y, out) appears once.
+            triples = [(DTYPES[i], DTYPES[j], DTYPES[(i + j) % 3]) for i in range(3) for j in range(3)]
+        else:
+            triples = itertools.product(DTYPES, DTYPES, DTYPES)
         for i, (xd, yd, od) in enumerate(triples):
             def make(layout: Layout = layout, xd: torch.dtype = xd, yd: torch.dtype = yd,
                      od: torch.dtype = od, seed: int = i) -> Tuple[Any, ...]:

@@ -147,15 +147,19 @@ def _amp_C_extension(with_cuda):
 
         def build_extensions(self):
             if cuda_sources:
-                objects = self._compile_cuda(Path(self.build_temp) / "amp_C_cuda")
+                gencode = _gencode_flags(_arch_list(torch, nvcc))
+                objects = self._compile_cuda(Path(self.build_temp) / "amp_C_cuda", gencode)
+                # amp_C.build_info() reports the images (sm_80, compute_90, ...), so that
+                # `python -m amp.check` can tell whether they cover the GPUs it finds.
+                images = ",".join(flag.rsplit("code=", 1)[1] for flag in gencode)
                 for ext in self.extensions:
                     ext.extra_objects = list(ext.extra_objects or []) + objects
+                    ext.extra_compile_args = list(ext.extra_compile_args) + [f"-DAMP_CUDA_IMAGES={images}"]
             super().build_extensions()
 
-        def _compile_cuda(self, out_dir):
+        def _compile_cuda(self, out_dir, gencode):
             out_dir.mkdir(parents=True, exist_ok=True)
-            flags = ["-std=c++17", "-O3", "-lineinfo", "-Xcompiler", "-fPIC", f"-I{CSRC}"]
-            flags += _gencode_flags(_arch_list(torch, nvcc))
+            flags = ["-std=c++17", "-O3", "-lineinfo", "-Xcompiler", "-fPIC", f"-I{CSRC}", *gencode]
 
             def compile_one(source):
                 obj = out_dir / (source.stem + ".o")

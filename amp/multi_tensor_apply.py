@@ -22,6 +22,8 @@ written for Apex may equally pass ``amp_C.multi_tensor_scale`` to the applier.
 import contextlib
 import os
 
+import torch
+
 from amp import _torch_ops
 from amp._amp_state import maybe_print
 from amp._compat import local_tensor
@@ -35,7 +37,8 @@ else:
     _import_error = None
 
 # The ops keep amp_C's names; the list lives with their PyTorch versions.
-__all__ = ["MultiTensorApply", "multi_tensor_applier", "use_extension", *_torch_ops.__all__]
+__all__ = ["MultiTensorApply", "multi_tensor_applier", "use_extension", "path_for",
+           *_torch_ops.__all__]
 
 _extension_cuda = amp_C is not None and bool(getattr(amp_C, "cuda_available", lambda: False)())
 _extension_enabled = os.environ.get("AMP_DISABLE_EXTENSION", "0") != "1"
@@ -98,19 +101,40 @@ def _report_fallback_once(reason):
         )
 
 
-def _extension_serves(device):
+def _fallback_reason(device):
+    """Why tensors on ``device`` get the PyTorch versions; None when ``amp_C`` serves them."""
     if not _extension_enabled:
-        return False
+        env = os.environ.get("AMP_DISABLE_EXTENSION", "0") == "1"
+        return f"switched off by {'AMP_DISABLE_EXTENSION=1' if env else 'use_extension(False)'}"
     if amp_C is None:
-        _report_fallback_once(f"the amp_C extension is not available ({_import_error})")
-        return False
-    if device.type == "cpu":
-        return True
-    if device.type == "cuda":
-        if not _extension_cuda:
-            _report_fallback_once("amp_C was built without CUDA kernels")
-        return _extension_cuda
-    return False
+        return f"the amp_C extension is not available ({_import_error})"
+    if device.type == "cuda" and not _extension_cuda:
+        return "amp_C was built without CUDA kernels"
+    if device.type not in ("cpu", "cuda"):
+        return f"amp_C has no kernels for {device.type} tensors"
+    return None
+
+
+def _extension_serves(device):
+    reason = _fallback_reason(device)
+    # Worth a note when building amp_C would help; a switch-off or another device is by choice.
+    if reason is not None and _extension_enabled and device.type in ("cpu", "cuda"):
+        _report_fallback_once(reason)
+    return reason is None
+
+
+def path_for(op_name, device):
+    """``("amp_C", why)`` or ``("torch", why)``: which implementation the op ``op_name`` of this
+    module runs for tensors on ``device``, by the rule above (for reports: ``python -m amp.check``).
+    """
+    getattr(_torch_ops, op_name)  # an unknown op name is an AttributeError here too
+    device = torch.device(device)
+    reason = _fallback_reason(device)
+    if reason is None and getattr(amp_C, op_name, None) is None:
+        reason = f"this amp_C build has no {op_name} (rebuild it)"
+    if reason is not None:
+        return "torch", reason
+    return "amp_C", f"amp_C serves {device.type} tensors"
 
 
 def _implementation(name, device):

@@ -98,4 +98,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("should_skip") = py::none(), release());
   m.def("cuda_available", &amp_C::cuda_available,
         "whether amp_C has CUDA kernels built against a CUDA PyTorch and a GPU is present");
+  m.def(
+      "build_info",
+      [] {
+        const amp_C::BuildInfo info = amp_C::build_info();
+        py::dict out;
+        out["cuda_kernels"] = info.cuda_kernels;
+        out["torch_cuda"] = info.torch_cuda;
+        out["cuda_images"] = info.cuda_images;
+        out["cpu_x86_64_v3_clones"] = info.cpu_x86_64_v3_clones;
+        out["cpu_runs_x86_64_v3"] = info.cpu_runs_x86_64_v3;
+        out["cpu_f16c_stores"] = info.cpu_f16c_stores;
+        return out;
+      },
+      "what this build holds: cuda_kernels, torch_cuda, cuda_images (sm_XY / compute_XY), and "
+      "the CPU paths: cpu_x86_64_v3_clones (loops also built for AVX2/FMA/F16C), "
+      "cpu_runs_x86_64_v3 (this CPU takes them), cpu_f16c_stores (fp16 stores through F16C)");
 }

@@ -113,6 +113,16 @@ void update_scale_hysteresis_cpu(float* current_scale, int32_t* growth_tracker,
                                  int32_t growth_interval, int32_t hysteresis,
                                  ScaleUpdateExtras extras);
 
+// The CPU twins' code paths (csrc/cpu/cpu_paths.cpp): whether their loops are also compiled for
+// x86-64-v3 (AVX2, FMA, F16C), whether this CPU runs those clones, and whether fp16 stores go
+// through F16C here (else a scalar conversion per element).
+struct CpuPaths {
+  bool x86_64_v3_clones;
+  bool runs_x86_64_v3;
+  bool f16c_stores;
+};
+CpuPaths cpu_paths();
+
 // CUDA launchers (csrc/*.cu); `stream` is the caller's cudaStream_t, all pointers are device
 // pointers on the stream's device. Errors are thrown as std::runtime_error.
 void multi_tensor_scale_cuda(int64_t chunk_size, Flag flag, const TensorLists& lists, Scalar scale,

@@ -584,4 +584,30 @@ bool cuda_available() {
 #endif
 }
 
+// setup.py passes the images as -DAMP_CUDA_IMAGES=sm_80,compute_90 (no quotes: they would have
+// to survive ninja's shell); the tokens are turned into one string here.
+#define AMP_STRINGIFY_TOKENS(...) #__VA_ARGS__
+#define AMP_STRINGIFY(...) AMP_STRINGIFY_TOKENS(__VA_ARGS__)
+
+BuildInfo build_info() {
+  BuildInfo info{};
+#if defined(AMP_WITH_CUDA_KERNELS)
+  info.cuda_kernels = true;
+#endif
+  info.torch_cuda = AMP_CUDA_ENABLED != 0;
+#if defined(AMP_CUDA_IMAGES)
+  const std::string images = AMP_STRINGIFY(AMP_CUDA_IMAGES);
+  for (size_t begin = 0; begin < images.size();) {
+    const size_t end = std::min(images.find(',', begin), images.size());
+    info.cuda_images.push_back(images.substr(begin, end - begin));
+    begin = end + 1;
+  }
+#endif
+  const CpuPaths cpu = cpu_paths();
+  info.cpu_x86_64_v3_clones = cpu.x86_64_v3_clones;
+  info.cpu_runs_x86_64_v3 = cpu.runs_x86_64_v3;
+  info.cpu_f16c_stores = cpu.f16c_stores;
+  return info;
+}
+
 }  // namespace amp_C

@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 
 #include <optional>
+#include <string>
 #include <tuple>
 #include <variant>
 #include <vector>
@@ -62,5 +63,18 @@ at::Tensor update_scale_hysteresis(const at::Tensor& current_scale,
 
 // True when amp_C holds the CUDA kernels, was built against a CUDA PyTorch and a GPU is present.
 bool cuda_available();
+
+// What this build holds, for reports (`python -m amp.check`): CUDA kernels or not, whether they
+// can serve CUDA tensors (built against a CUDA PyTorch), the GPU code they were compiled to
+// (SASS "sm_90", PTX "compute_90"; setup.py records them), and the CPU twins' code paths here.
+struct BuildInfo {
+  bool cuda_kernels;
+  bool torch_cuda;
+  std::vector<std::string> cuda_images;
+  bool cpu_x86_64_v3_clones;
+  bool cpu_runs_x86_64_v3;
+  bool cpu_f16c_stores;
+};
+BuildInfo build_info();
 
 }  // namespace amp_C

@@ -5,6 +5,7 @@ within a tight tolerance (different summation order). CPU always; the same fuzz 
 (``-m cuda``) where a GPU is present.
 """
 import itertools
+import platform
 import random
 
 import pytest
@@ -465,6 +466,33 @@ def test_cuda_availability_matches_the_build():
     assert isinstance(amp_C.cuda_available(), bool)
     if not torch.cuda.is_available():
         assert amp_C.cuda_available() is False
+
+
+def cpu_flags():
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next(line for line in f if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return None
+    return set(line.split(":", 1)[1].split())
+
+
+def test_build_info_describes_this_build():
+    info = amp_C.build_info()
+    assert set(info) == {"cuda_kernels", "torch_cuda", "cuda_images", "cpu_x86_64_v3_clones",
+                         "cpu_runs_x86_64_v3", "cpu_f16c_stores"}
+    # setup.py records the images whenever it compiles CUDA kernels, and only then.
+    assert bool(info["cuda_images"]) == info["cuda_kernels"]
+    assert all(image.startswith(("sm_", "compute_")) for image in info["cuda_images"])
+    assert info["torch_cuda"] == (info["cuda_kernels"] and torch.version.cuda is not None)
+    assert info["cpu_runs_x86_64_v3"] <= info["cpu_x86_64_v3_clones"]
+    flags = cpu_flags()
+    if flags is not None and platform.machine() == "x86_64":
+        assert info["cpu_f16c_stores"] == ({"avx", "f16c"} <= flags)
+        if info["cpu_runs_x86_64_v3"]:
+            assert {"avx2", "fma", "f16c"} <= flags
+        elif info["cpu_x86_64_v3_clones"]:
+            assert not {"avx2", "fma", "f16c", "bmi2", "movbe"} <= flags
 
 
 # ---- the same contract as the fallback -----------------------------------------------------------

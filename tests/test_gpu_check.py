@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import amp.check as amp_check
 from amp import _torch_ops
 
 REPO = Path(__file__).resolve().parents[1]
@@ -69,6 +70,19 @@ adam: float16 grads, float32 params+state, float16 model copy       28      0.40
 gpu_check: phase fused_ops exit 0 after 30 s
 """
 TRAIN_STEP_OK = "gpu: medians over rounds\ngpu_check: phase train_step exit 0 after 60 s\n"
+CHECK_OK = "amp.check: PASSED: 26 passed, 0 failed, 0 skipped in 41.0 s\ngpu_check: phase check exit 0 after 48 s\n"
+
+
+def check_report(**statuses):
+    """check.json with every check passed on cpu and cuda:0, but ``statuses[(check, device)]``."""
+    results = []
+    for device in ("cpu", "cuda:0"):
+        for check in ("multi_tensor_scale", "multi_tensor_adam", "O2 step", "unscale timing"):
+            status = statuses.get(f"{check}@{device}", "pass")
+            ratio = 2.5 if check == "unscale timing" and status == "pass" else None
+            results.append({"check": check, "device": device, "status": status, "cases": 3,
+                            "detail": f"{status} detail", "seconds": 0.1, "ratio": ratio})
+    return json.dumps({"passed": "fail" not in statuses.values(), "results": results})
 
 
 def train_step_report(o2_step=9.0, o2_peak=900.0):
@@ -78,7 +92,8 @@ def train_step_report(o2_step=9.0, o2_peak=900.0):
 
 
 def write_logs(out, **logs):
-    defaults = {"build.log": BUILD_OK, "cuda_tests.log": CUDA_TESTS_OK, "cpu_suite.log": CPU_SUITE_OK,
+    defaults = {"build.log": BUILD_OK, "check.log": CHECK_OK, "check.json": check_report(),
+                "cuda_tests.log": CUDA_TESTS_OK, "cpu_suite.log": CPU_SUITE_OK,
                 "unscale.log": UNSCALE_OK, "fused_ops.log": FUSED_OPS_OK, "train_step.log": TRAIN_STEP_OK,
                 "train_step.json": train_step_report()}
     for name, text in defaults.items():
@@ -117,7 +132,7 @@ def test_without_a_gpu_the_script_exits_with_a_message_and_builds_nothing(tmp_pa
     assert "no CUDA GPU is visible to PyTorch" in result.stderr
     assert "setup.py" not in calls.read_text()
     table = (out / "summary.md").read_text()
-    assert table.count("| not run |") == 8 and "| met |" not in table
+    assert table.count("| not run |") == 9 and "| met |" not in table
 
 
 def test_the_script_without_an_output_folder_prints_its_usage():
@@ -258,3 +273,41 @@ def test_a_fused_kernel_below_the_copy_goal_is_not_met_and_a_missing_log_not_run
     write_logs(tmp_path, fused_ops_log=None)
     (tmp_path / "fused_ops.log").unlink()
     assert row(tmp_path, "fused optimizer kernels").status == summary.NOT_RUN
+
+
+def test_amp_check_passing_on_the_gpu_is_met_with_its_unscale_ratio(tmp_path):
+    write_logs(tmp_path)
+    check = row(tmp_path, "amp.check")
+    assert check.status == summary.MET
+    assert check.result == "8 passed, 0 failed, 0 skipped; unscale 2.50x PyTorch's on cuda:0"
+
+
+def test_amp_check_failures_are_not_met_and_named_with_their_device(tmp_path):
+    report = check_report(**{"multi_tensor_adam@cuda:0": "fail", "O2 step@cuda:0": "fail"})
+    write_logs(tmp_path, check_json=report,
+               check_log=failed(CHECK_OK, "check", "amp.check: FAILED: 6 passed, 2 failed"))
+    check = row(tmp_path, "amp.check")
+    assert check.status == summary.NOT_MET
+    assert check.result == "6 passed, 2 failed, 0 skipped; failed: multi_tensor_adam on cuda:0, O2 step on cuda:0"
+
+
+def test_amp_check_skipping_a_gpu_check_is_not_met(tmp_path):
+    write_logs(tmp_path, check_json=check_report(**{"multi_tensor_scale@cuda:0": "skip"}))
+    check = row(tmp_path, "amp.check")
+    assert check.status == summary.NOT_MET and "skipped on the GPU: multi_tensor_scale (skip detail)" in check.result
+
+
+def test_amp_check_without_its_json_or_its_phase_is_not_run(tmp_path):
+    write_logs(tmp_path, check_json=None)
+    assert row(tmp_path, "amp.check").status == summary.NOT_RUN
+    (tmp_path / "check.log").write_text("gpu_check: phase check not run: the 540 s budget was spent\n")
+    check = row(tmp_path, "amp.check")
+    assert check.status == summary.NOT_RUN and "budget was spent" in check.result
+
+
+def test_the_summary_reads_the_json_amp_check_writes(tmp_path):
+    # This machine's own report: its format is what the summary parses (no GPU here: not met).
+    amp_check.run(devices=["cpu"], quick=True, only=["timing"], json_path=str(tmp_path / "check.json"), quiet=True)
+    write_logs(tmp_path, check_json=None)
+    check = row(tmp_path, "amp.check")
+    assert check.status == summary.NOT_MET and check.result.endswith("no CUDA device was checked")

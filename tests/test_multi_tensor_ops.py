@@ -466,6 +466,43 @@ def test_a_missing_extension_is_reported_once(monkeypatch, caplog):
     assert caplog.text.count("amp_C extension is not available") == 1
 
 
+def test_path_for_names_amp_C_where_the_ops_call_it(monkeypatch):
+    module, calls = fake_amp_C(cuda=False)
+    monkeypatch.setattr(mta, "amp_C", module)
+    with use_extension(True):
+        assert mta.path_for("multi_tensor_scale", "cpu") == ("amp_C", "amp_C serves cpu tensors")
+        multi_tensor_applier(multi_tensor_scale, flag(), [[torch.zeros(2)], [torch.zeros(2)]], 1.0)
+    assert len(calls) == 1
+
+
+@pytest.mark.parametrize("env", ["1", "0"])
+def test_path_for_names_the_switch_that_turned_amp_C_off(monkeypatch, env):
+    monkeypatch.setattr(mta, "amp_C", fake_amp_C(cuda=False)[0])
+    monkeypatch.setenv("AMP_DISABLE_EXTENSION", env)
+    with use_extension(False):
+        path, reason = mta.path_for("multi_tensor_scale", torch.device("cpu"))
+    switch = "AMP_DISABLE_EXTENSION=1" if env == "1" else "use_extension(False)"
+    assert path == "torch" and reason == f"switched off by {switch}"
+
+
+def test_path_for_gives_the_fallback_s_reasons(monkeypatch):
+    module, _ = fake_amp_C(cuda=False)
+    monkeypatch.setattr(mta, "amp_C", module)
+    monkeypatch.setattr(mta, "_extension_cuda", False)
+    with use_extension(True):
+        assert mta.path_for("multi_tensor_scale", "cuda:0") == ("torch", "amp_C was built without CUDA kernels")
+        assert mta.path_for("multi_tensor_scale", "meta") == ("torch", "amp_C has no kernels for meta tensors")
+        # The fake module exports only multi_tensor_scale, as an amp_C built before an op existed.
+        path, reason = mta.path_for("multi_tensor_adam", "cpu")
+        assert path == "torch" and "has no multi_tensor_adam" in reason
+        assert mta._implementation("multi_tensor_adam", torch.device("cpu")) is mta._torch_ops.multi_tensor_adam
+        monkeypatch.setattr(mta, "amp_C", None)
+        path, reason = mta.path_for("multi_tensor_scale", "cpu")
+        assert path == "torch" and "amp_C extension is not available" in reason
+    with pytest.raises(AttributeError):
+        mta.path_for("multi_tensor_nothing", "cpu")
+
+
 def test_check_avail_explains_how_to_build_the_extension(monkeypatch):
     monkeypatch.setattr(mta.MultiTensorApply, "available", False)
     with pytest.raises(RuntimeError, match="AMP_CUDA_EXT=1"):

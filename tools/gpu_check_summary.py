@@ -1,6 +1,6 @@
 """Turns the logs that ``tools/gpu_check.sh`` leaves in its output folder into ``summary.md``.
 
-One row per figure the GPU check exists to produce (issue 12), each marked met, not met or not
+One row per figure the GPU check exists to produce (issues 12 and 20), each marked met, not met or not
 run, with the reason. The parsing lives here rather than in the shell script so that it can be
 tested on a machine without a GPU, from small synthetic logs.
 
@@ -100,6 +100,34 @@ def build_row(log):
     return Row(check, "built, CUDA kernels available", goal, MET)
 
 
+def check_row(log, report_text):
+    """``python -m amp.check`` (check.json): met when nothing failed and every check on the GPU ran."""
+    check, goal = "amp.check: every amp_C op, training step and timing on the GPU", "passes, none skipped on the GPU"
+    status, problem = phase_outcome(log, "check")
+    if status == NOT_RUN or not report_text:
+        return Row(check, problem or "no check.json", goal, NOT_RUN)
+    try:
+        results = [(r["check"], r["device"], r["status"], r["detail"], r["ratio"])
+                   for r in json.loads(report_text)["results"]]
+    except (ValueError, KeyError, TypeError) as err:
+        return Row(check, f"check.json is not what this summary reads: {err!r}", goal, NOT_RUN)
+    counts = {word: sum(r[2] == word for r in results) for word in ("pass", "fail", "skip")}
+    result = f"{counts['pass']} passed, {counts['fail']} failed, {counts['skip']} skipped"
+    on_gpu = [r for r in results if r[1].startswith("cuda")]
+    ratios = [f"unscale {r[4]:.2f}x PyTorch's on {r[1]}" for r in on_gpu if r[4] is not None]
+    failed = [f"{r[0]} on {r[1]}" for r in results if r[2] == "fail"]
+    skipped = [r for r in on_gpu if r[2] == "skip"]
+    if failed:
+        return Row(check, f"{result}; failed: {', '.join(failed)}", goal, NOT_MET)
+    if not on_gpu:
+        return Row(check, f"{result}; no CUDA device was checked", goal, NOT_MET)
+    if skipped:
+        return Row(check, f"{result}; skipped on the GPU: {skipped[0][0]} ({skipped[0][3]})", goal, NOT_MET)
+    if status != MET:
+        return Row(check, f"{result} ({problem})", goal, NOT_MET)
+    return Row(check, "; ".join([result, *ratios]), goal, MET)
+
+
 def sync_free_row(log):
     check = f"no host sync under set_sync_debug_mode('error') ({SYNC_FREE_TEST})"
     outcomes = re.findall(rf"^(PASSED|FAILED|ERROR) {re.escape(SYNC_FREE_TEST)}\b", log, re.M)
@@ -172,8 +200,9 @@ def train_step_rows(log, report_text):
 def summarize(out_dir):
     """(rows, notes, markdown) for the logs in ``out_dir``."""
     logs = {name: read(out_dir, f"{name}.log")
-            for name in ("build", "cuda_tests", "cpu_suite", "unscale", "fused_ops", "train_step")}
+            for name in ("build", "check", "cuda_tests", "cpu_suite", "unscale", "fused_ops", "train_step")}
     rows = [build_row(logs["build"]),
+            check_row(logs["check"], read(out_dir, "check.json")),
             tests_row("CUDA tests (pytest -m cuda)", logs["cuda_tests"], "cuda_tests"),
             sync_free_row(logs["cuda_tests"]),
             tests_row("CPU suite against amp_C (pytest -m 'not cuda')", logs["cpu_suite"], "cpu_suite"),

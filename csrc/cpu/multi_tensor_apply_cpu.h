@@ -24,8 +24,10 @@
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 // flatten: the dtype dispatch and loops must be inlined into each clone to be compiled for it.
 #define AMP_CPU_CLONES __attribute__((flatten, target_clones("arch=x86-64-v3", "default")))
+#define AMP_CPU_HAS_CLONES 1
 #else
 #define AMP_CPU_CLONES __attribute__((flatten))
+#define AMP_CPU_HAS_CLONES 0
 #endif
 #define AMP_INLINE inline __attribute__((always_inline))
 
@@ -126,6 +128,8 @@ template <> AMP_INLINE bf16_t from_float<bf16_t>(float x) {
 
 // out[0, n) = fp16(in[0, n)), rounded like from_float<half_t>, eight at a time (to_half_cpu.cpp).
 void to_half(half_t* out, const float* in, int64_t n);
+// Whether to_half() takes its F16C path on this CPU.
+bool to_half_uses_f16c();
 
 // Elements of the fp32 staging block of a loop that stores fp16: small enough to stay in L1.
 constexpr int64_t kHalfBlock = 1024;

@@ -39,13 +39,21 @@ __attribute__((target("avx,f16c"))) void to_half_f16c(half_t* out, const float* 
 
 }  // namespace
 
-void to_half(half_t* out, const float* in, int64_t n) {
+bool to_half_uses_f16c() {
 #if AMP_HAVE_F16C_PATH
   static const bool has_f16c = [] {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
   }();
-  if (has_f16c) {
+  return has_f16c;
+#else
+  return false;
+#endif
+}
+
+void to_half(half_t* out, const float* in, int64_t n) {
+#if AMP_HAVE_F16C_PATH
+  if (to_half_uses_f16c()) {
     to_half_f16c(out, in, n);
     return;
   }

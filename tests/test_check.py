@@ -1,0 +1,305 @@
+"""``python -m amp.check`` passes on this machine with and without amp_C, fails naming the op and
+device when a kernel is wrong, and writes the JSON fields the README lists.
+
+A wrong kernel is made on purpose: a stand-in ``amp_C`` whose ops are the PyTorch fallback's,
+one of them wrapped to flip one output bit, ignore the flag, or raise.
+"""
+import json
+import os
+import re
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+import amp
+import amp.check
+import amp.multi_tensor_apply as mta
+from amp import _torch_ops
+from amp._amp_state import _amp_state
+from amp.check import environment, kernels, training
+from amp.check.report import FAIL, PASS, SKIP, Report, Result
+from amp.multi_tensor_apply import use_extension
+
+REPO = Path(__file__).resolve().parents[1]
+CPU = torch.device("cpu")
+
+
+def command(tmp_path, *args, **env):
+    """``python -m amp.check --quick --json F *args`` in a fresh process: (exit status, output, JSON)."""
+    report = tmp_path / "check.json"
+    environ = dict(os.environ, PYTHONPATH=str(REPO), **env)
+    result = subprocess.run([sys.executable, "-m", "amp.check", "--quick", "--json", str(report), *args],
+                            cwd=tmp_path, env=environ, capture_output=True, text=True, timeout=300)
+    document = json.loads(report.read_text()) if report.exists() else None
+    return result.returncode, result.stdout + result.stderr, document
+
+
+def fields(value, prefix=""):
+    """The dotted paths of a JSON document's leaves; ``a[].b`` for a list of objects."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield from fields(item, f"{prefix}.{key}" if prefix else key)
+    elif isinstance(value, list) and value and all(isinstance(item, dict) for item in value):
+        for item in value:
+            yield from fields(item, prefix + "[]")
+    else:
+        yield prefix
+
+
+def readme_fields():
+    """The fields the README's "Check your installation" table lists."""
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("## Check your installation", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| `")]
+    return {name for row in rows for name in re.findall(r"`([^`]+)`", row.split("|")[1])}
+
+
+# ---- the command on this machine ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("env", [{}, {"AMP_DISABLE_EXTENSION": "1"}], ids=["as-built", "no-extension"])
+def test_the_quick_command_passes_and_writes_the_readme_s_fields(tmp_path, monkeypatch, env):
+    status, output, document = command(tmp_path, **env)
+    assert status == 0, output
+    assert document is not None and document["passed"] is True and document["quick"] is True
+    assert set(fields(document)) == readme_fields()
+    assert "amp.check: PASSED" in output and "check.json" in output
+    results = {(r["check"], r["device"]): r for r in document["results"]}
+    for key, value in env.items():  # this process as the command's saw it
+        monkeypatch.setenv(key, value)
+    with use_extension(not env):
+        expected = [(op, mta.path_for(op, CPU)) for op in environment.OPS]
+    for op, (path, reason) in expected:
+        # The ops the fallback serves are skipped with its reason; amp_C's must pass.
+        assert results[op, "cpu"]["status"] == (PASS if path == "amp_C" else SKIP), op
+        if path != "amp_C":
+            assert reason in results[op, "cpu"]["detail"]
+    if env:
+        assert all(op["path"] == "torch" and op["reason"] == "switched off by AMP_DISABLE_EXTENSION=1"
+                   for op in document["devices"][0]["ops"])
+    for name in training.checks(quick=True):
+        assert results[name, "cpu"]["status"] == PASS, results[name, "cpu"]
+    versions = document["versions"]
+    assert versions["torch"] == torch.__version__ and versions["amp"] == amp.__version__
+    assert versions["torch_cuda"] == torch.version.cuda
+
+
+def test_the_readme_table_names_every_field_once():
+    assert {"passed", "amp_C.cuda_images", "devices[].ops[].reason", "results[].status"} <= readme_fields()
+
+
+def test_an_unknown_flag_prints_the_usage(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        amp.check.main(["--frobnicate"])
+    assert exit_info.value.code == 2
+    assert "usage: python -m amp.check" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("where", ["missing-folder", "a-folder"])
+def test_a_json_file_that_cannot_be_written_is_refused_before_anything_runs(tmp_path, capsys, where):
+    path = tmp_path / "no" / "such" / "check.json" if where == "missing-folder" else tmp_path
+    with pytest.raises(SystemExit) as exit_info:
+        amp.check.main(["--quick", "--json", str(path)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr()
+    assert f"cannot write the JSON report to {path}" in err.err and "usage:" in err.err
+    assert "amp.check" not in err.out  # nothing ran
+
+
+def test_a_device_that_is_not_there_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        amp.check.main(["--device", "cuda:99"])
+    assert exit_info.value.code == 2 and "--device cuda:99" in capsys.readouterr().err
+
+
+# ---- a wrong kernel ---------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def kernels_with(monkeypatch):
+    """``install(op=wrong)``: amp_C, for the rest of the test, is the fallback with ``wrong`` for op."""
+    def install(**wrong):
+        ops = {name: getattr(_torch_ops, name) for name in _torch_ops.__all__}
+        monkeypatch.setattr(mta, "amp_C", types.SimpleNamespace(cuda_available=lambda: False, **{**ops, **wrong}))
+    with use_extension(True):
+        yield install
+
+
+def flip_one_bit(op, argument=2, index=-1, bit=0):
+    """``op``, then one bit (the lowest by default) flipped in a middle element of
+    ``args[argument][index]`` (a list's middle tensor)."""
+    def wrong(*args):
+        returned = op(*args)
+        target = args[argument] if index is None else args[argument][index]
+        tensors = [t for t in (target if isinstance(target, list) else [target]) if t.numel() > 0]
+        if tensors:
+            t = tensors[len(tensors) // 2].view(-1)
+            bits = t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+            bits[bits.numel() // 2] ^= 1 << bit
+        return returned
+    return wrong
+
+
+def ignore_the_flag(op):
+    """``op`` on a private flag: it neither raises the caller's flag nor obeys a set one."""
+    def wrong(chunk_size, noop_flag, *args):
+        return op(chunk_size, torch.zeros_like(noop_flag), *args)
+    return wrong
+
+
+@pytest.mark.parametrize("op, wrong", [
+    ("multi_tensor_scale", flip_one_bit(_torch_ops.multi_tensor_scale)),
+    ("multi_tensor_axpby", flip_one_bit(_torch_ops.multi_tensor_axpby)),
+    ("multi_tensor_sgd", flip_one_bit(_torch_ops.multi_tensor_sgd, index=1)),
+    ("multi_tensor_adam", flip_one_bit(_torch_ops.multi_tensor_adam, index=3)),
+    ("update_scale_hysteresis", flip_one_bit(_torch_ops.update_scale_hysteresis, argument=0, index=None)),
+    ("multi_tensor_scale", ignore_the_flag(_torch_ops.multi_tensor_scale)),
+    ("multi_tensor_axpby", ignore_the_flag(_torch_ops.multi_tensor_axpby)),
+    ("multi_tensor_l2norm", ignore_the_flag(_torch_ops.multi_tensor_l2norm)),
+    ("multi_tensor_l2norm_mp", ignore_the_flag(_torch_ops.multi_tensor_l2norm_mp)),
+    ("multi_tensor_sgd", ignore_the_flag(_torch_ops.multi_tensor_sgd)),
+    ("multi_tensor_adam", ignore_the_flag(_torch_ops.multi_tensor_adam)),
+], ids=lambda v: v if isinstance(v, str) else v.__qualname__.split(".")[0])
+def test_a_wrong_kernel_fails_its_self_test(kernels_with, op, wrong):
+    assert kernels.self_test(op, CPU, quick=True).status == PASS  # the stand-in alone is right
+    kernels_with(**{op: wrong})
+    result = kernels.self_test(op, CPU, quick=True)
+    assert (result.check, result.device, result.status) == (op, "cpu", FAIL)
+    assert "with amp_C but" in result.detail and "with the fallback" in result.detail
+
+
+def test_a_flipped_bit_is_named_with_both_values(kernels_with):
+    kernels_with(multi_tensor_scale=flip_one_bit(_torch_ops.multi_tensor_scale))
+    detail = kernels.self_test("multi_tensor_scale", CPU, quick=True).detail
+    # e.g. "float32 -> float32, 9 tensors: tensor_lists[1][4][8] is 0.0123 (0x3c49...) with amp_C but ..."
+    assert re.search(r"tensor_lists\[1\]\[\d+\]\[\d+\] is \S+ \(0x[0-9a-f]+\) with amp_C but \S+ "
+                     r"\(0x[0-9a-f]+\) with the fallback", detail), detail
+
+
+@pytest.mark.parametrize("relative, status", [(kernels.NORM_RTOL / 10, PASS), (kernels.NORM_RTOL * 10, FAIL)])
+def test_norms_are_held_to_the_documented_tolerance(kernels_with, relative, status):
+    def off(*args):
+        total, per_tensor = _torch_ops.multi_tensor_l2norm(*args)
+        return total * (1 + relative), per_tensor
+    kernels_with(multi_tensor_l2norm=off)
+    assert kernels.self_test("multi_tensor_l2norm", CPU, quick=True).status == status
+
+
+def test_a_kernel_that_raises_fails_with_its_error(kernels_with):
+    def broken(*args):
+        raise RuntimeError("CUDA error: no kernel image is available for execution on the device")
+    kernels_with(multi_tensor_adam=broken)
+    result = kernels.self_test("multi_tensor_adam", CPU, quick=True)
+    assert result.status == FAIL and "amp_C raised RuntimeError: CUDA error: no kernel image" in result.detail
+
+
+def test_the_command_exits_1_and_names_the_wrong_op_and_device(kernels_with, capsys):
+    kernels_with(multi_tensor_axpby=ignore_the_flag(_torch_ops.multi_tensor_axpby))
+    assert amp.check.main(["--quick", "--only", "kernels", "--device", "cpu"]) == 1
+    out = capsys.readouterr().out
+    assert "[fail] multi_tensor_axpby on cpu" in out
+    assert re.search(r"^  multi_tensor_axpby\s+fail\s*$", out, re.M)
+    assert re.search(r"^  multi_tensor_scale\s+pass\s*$", out, re.M)
+    assert "amp.check: FAILED: 7 passed, 1 failed" in out
+    assert "  failed: multi_tensor_axpby on cpu: " in out
+
+
+def test_a_wrong_unscale_kernel_also_fails_the_training_steps(kernels_with):
+    # A mantissa bit that matters: the lowest one of a gradient can round away in the update.
+    kernels_with(multi_tensor_scale=flip_one_bit(_torch_ops.multi_tensor_scale, bit=20))
+    report = amp.check.run(devices=["cpu"], quick=True, only=["training"], quiet=True)
+    statuses = {result.check: result.status for result in report.results}
+    assert statuses["O1 step"] == statuses["O2 step"] == FAIL and not report.passed
+    assert "between amp's path and PyTorch's" in report.failures[0].detail
+
+
+def test_a_kernel_s_fault_reaches_the_json(kernels_with, tmp_path):
+    kernels_with(update_scale_hysteresis=flip_one_bit(_torch_ops.update_scale_hysteresis, argument=0, index=None))
+    report = amp.check.run(devices=["cpu"], quick=True, only=["kernels"], json_path=str(tmp_path / "c.json"),
+                           quiet=True)
+    document = json.loads((tmp_path / "c.json").read_text())
+    assert document["passed"] is False is report.passed
+    failed = [(r["check"], r["device"]) for r in document["results"] if r["status"] == FAIL]
+    assert failed == [("update_scale_hysteresis", "cpu")]
+
+
+# ---- the environment report -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("images, capability, covered", [
+    (["sm_80"], (8, 0), True), (["sm_80"], (8, 6), True), (["sm_80"], (9, 0), False),
+    (["sm_86"], (8, 0), False), (["sm_80", "compute_80"], (9, 0), True), (["compute_90"], (8, 9), False),
+    (["sm_90a"], (9, 0), True), (["sm_90a"], (10, 0), False), (["compute_90a"], (10, 0), False),
+    (["sm_100f"], (10, 3), True), (["sm_100", "sm_120"], (12, 0), True), ([], (9, 0), False),
+    (None, (9, 0), None),
+])
+def test_gpu_code_covers_a_gpu_by_cuda_s_compatibility_rules(images, capability, covered):
+    assert environment.covers(images, capability) is covered
+
+
+def test_a_gpu_the_build_has_no_code_for_is_reported_with_how_to_rebuild(monkeypatch):
+    fake = types.SimpleNamespace(cuda_available=lambda: True, **{
+        "build_info": lambda: {"cuda_kernels": True, "torch_cuda": True, "cuda_images": ["sm_80", "sm_90"],
+                               "cpu_x86_64_v3_clones": True, "cpu_runs_x86_64_v3": False, "cpu_f16c_stores": True},
+        **{name: getattr(_torch_ops, name) for name in _torch_ops.__all__}})
+    monkeypatch.setattr(mta, "amp_C", fake)
+    monkeypatch.setattr(mta, "_extension_cuda", True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (12, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "A future GPU")
+    with use_extension(True):
+        env = environment.collect([CPU, torch.device("cuda", 0)])
+    gpu = env["devices"][1]
+    assert (gpu["device"], gpu["capability"], gpu["amp_C_covers"]) == ("cuda:0", "12.0", False)
+    assert all(op["path"] == "amp_C" and "TORCH_CUDA_ARCH_LIST=12.0" in op["reason"] for op in gpu["ops"])
+    assert env["cpu"]["amp_C_path"].startswith("loops: baseline x86-64 clones")
+    lines = "\n".join(environment.describe(env))
+    assert "cuda:0: A future GPU (capability 12.0); amp_C code for it: NOT covered" in lines
+    assert "images: sm_80, sm_90" in lines
+
+
+def test_the_report_says_why_amp_C_is_not_used(monkeypatch):
+    monkeypatch.setattr(mta, "amp_C", None)
+    with use_extension(True):
+        env = environment.collect([CPU])
+    assert env["amp_C"]["built"] is False and env["cpu"]["amp_C_path"] == "none (amp_C is not built)"
+    assert {op["path"] for op in env["devices"][0]["ops"]} == {"torch"}
+    assert "not available" in env["devices"][0]["ops"][0]["reason"]
+    with use_extension(True):
+        result = kernels.self_test("multi_tensor_scale", CPU, quick=True)
+    assert result.status == SKIP and "not available" in result.detail
+
+
+# ---- training steps and amp's state --------------------------------------------------------------
+
+
+def test_the_training_steps_leave_no_amp_state_behind():
+    matmul = torch.matmul
+    result = training.training_check("O1 step", CPU)
+    assert result.status == PASS, result.detail
+    assert _amp_state.context is None and _amp_state.handle is None and _amp_state.runs == []
+    assert torch.matmul is matmul  # O1's patches are gone
+
+
+def test_the_training_steps_do_not_disturb_a_process_s_amp_runs():
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O2", verbosity=0)
+    context = _amp_state.context
+    result = training.training_check("O2 step", CPU)
+    assert result.status == SKIP and "python -m amp.check" in result.detail
+    assert _amp_state.context is context
+
+
+def test_the_summary_has_a_column_per_device():
+    report = Report({}, quick=True, results=[
+        Result("multi_tensor_scale", "cpu", PASS, "ok"), Result("multi_tensor_scale", "cuda:0", FAIL, "bits"),
+        Result("unscale timing", "cpu", PASS, "t", ratio=1.5), Result("unscale timing", "cuda:0", SKIP, "no")])
+    table = report.summary()
+    assert re.search(r"^  check\s+cpu\s+cuda:0\s*$", table, re.M)
+    assert re.search(r"^  multi_tensor_scale\s+pass\s+fail\s*$", table, re.M)
+    assert re.search(r"^  unscale timing\s+pass 1.50x\s+skip\s*$", table, re.M)
+    assert "FAILED: 2 passed, 1 failed, 1 skipped" in table and "failed: multi_tensor_scale on cuda:0: bits" in table

@@ -184,7 +184,7 @@ class OptimizerController:
     # Apex's field, in every controller: the low-precision params among those the optimizer trains.
     all_fp16_params: list[torch.Tensor]
 
-    def __init__(self, optimizer: Any, context: AmpContext, param_names: dict[torch.Tensor, str | None],
+    def __init__(self, optimizer: Any, context: AmpContext, param_names: dict[torch.Tensor, str],
                  max_consecutive_skips: int) -> None:
         self.optimizer = optimizer
         self.context = context
@@ -485,7 +485,9 @@ class WithMasterWeights(OptimizerController):
                 check_trainable_dtype(param, self.param_names.get(param, "<parameter of the optimizer>"))
         fp16_params, masters, fp32_params = swap_in_fp32_masters(self.optimizer, group, fp32_values)
         for param, master in zip(fp16_params, masters):
-            self.param_names.setdefault(master, self.param_names.get(param))
+            name = self.param_names.get(param)
+            if name is not None:  # an unnamed param's master is named by its position, as the param
+                self.param_names.setdefault(master, name)
         self.fp16_groups.append(fp16_params)
         self.fp32_from_fp16_groups.append(masters)
         self.fp32_from_fp32_groups.append(fp32_params)

@@ -74,6 +74,12 @@ def _apex_allreduce_hook(options, bucket):
     return dist.all_reduce(reduced, group=group, async_op=True).get_future().then(finish)
 
 
+def _is_number(value: object, kind: type) -> bool:
+    """``isinstance(value, kind)`` for a ``numbers`` class, bools excluded. A function, not inline:
+    type checkers take an int (a float) for never a numbers.Integral (a numbers.Real)."""
+    return isinstance(value, kind) and not isinstance(value, bool)
+
+
 def _check_flag(name: str, value: object) -> None:
     if not isinstance(value, bool):
         raise TypeError(f"DistributedDataParallel's {name} must be True or False, got {value!r}.")
@@ -125,14 +131,14 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             if not (value is default or (type(value) is type(default) and value == default)):
                 raise ValueError(f"apex.parallel.DistributedDataParallel's {name}={value!r} cannot be "
                                  f"honoured on torch's DDP: {advice}")
-        if isinstance(message_size, bool) or not isinstance(message_size, numbers.Integral) or message_size < 1:
+        if not _is_number(message_size, numbers.Integral) or message_size < 1:
             raise ValueError(f"message_size must be a positive number of gradient elements, got {message_size!r}.")
         for name, value in (("delay_allreduce", delay_allreduce),
                             ("allreduce_always_fp32", allreduce_always_fp32),
                             ("gradient_average", gradient_average)):
             _check_flag(name, value)
         factor = gradient_predivide_factor
-        if isinstance(factor, bool) or not isinstance(factor, numbers.Real) or not 0 < factor < float("inf"):
+        if not _is_number(factor, numbers.Real) or not 0 < factor < float("inf"):
             raise ValueError(f"gradient_predivide_factor must be a positive finite number, got {factor!r}.")
         if "bucket_cap_mb" in ddp_kwargs:
             raise ValueError("pass message_size (gradient elements per bucket), not bucket_cap_mb, to "

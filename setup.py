@@ -206,6 +206,8 @@ setup(
     name="amp",
     version="0.1.0",
     packages=find_packages(include=["amp", "amp.*", "fp16_utils", "fp16_utils.*"]),
+    # PEP 561: both packages are typed (mypy checks them in CI; see pyproject.toml).
+    package_data={"amp": ["py.typed"], "fp16_utils": ["py.typed"]},
     python_requires=">=3.9",
     # 2.3 is the oldest torch CI runs the whole suite on (with and without amp_C): the first
     # with a CPU kernel for the grad unscale that amp's CPU path shares with torch's GradScaler.

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol, Union
 import torch
 
 if TYPE_CHECKING:
-    from typing import TypeGuard
+    from typing_extensions import TypeGuard
 
 __all__ = ["OptimizerLike", "OptimizerWrapper", "is_optimizer", "is_optimizer_wrapper"]
 

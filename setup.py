@@ -18,11 +18,26 @@ otherwise the visible GPUs', or, without one, every architecture this nvcc suppo
 up. ``CUDA_HOME`` locates nvcc (else ``PATH``). Only the CUDA major version must match
 PyTorch's. C++ sources are compiled by PyTorch's ``BuildExtension`` (with ninja when present);
 the ``.cu`` files by parallel nvcc processes.
+
+``import amp_C`` works on its own, without importing torch first (Apex-era files start with it).
+The extension needs torch's shared libraries (``libc10.so``, ``libtorch_cpu.so``, ...) and, before
+any tensor crosses the binding, torch's Python types. So on Linux ``amp_C`` carries an rpath to
+torch's ``lib/`` folder: ``$ORIGIN/torch/lib`` (installed, ``amp_C`` sits beside ``torch/`` in
+site-packages, whichever machine the wheel was built on), then the ``lib/`` of the torch it was
+built against (an in-place or editable build, or a venv that sees the system's torch); and its
+module init imports torch first. When torch is already imported, its libraries are already
+loaded and the rpath is not consulted, so nothing changes for code that imports torch first.
+We chose this over renaming the extension behind a Python ``amp_C`` shim that imports torch:
+the compiled module stays the one and only ``amp_C`` (a pure-Python install has none, so
+``import amp_C`` raising ImportError keeps meaning "not built"), with no second name to keep in
+step. Where neither rpath entry holds torch (amp_C and torch installed in different folders and
+the build's torch gone), the loader reports ``libc10.so`` missing: import torch first, or rebuild.
 """
 import os
 import re
 import shutil
 import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -125,6 +140,10 @@ def _amp_C_extension(with_cuda):
     # Adam's loop vectorises (results are unchanged).
     cxx_flags = ["-O3", "-ffp-contract=off", "-fno-math-errno"]
     link_flags = []
+    if sys.platform.startswith("linux"):
+        # The loader reads $ORIGIN itself: the link is spawned without a shell, so it stays literal.
+        torch_lib = Path(torch.__file__).resolve().parent / "lib"
+        link_flags += ["-Wl,-rpath,$ORIGIN/torch/lib", f"-Wl,-rpath,{torch_lib}"]
     if torch._C.has_openmp:  # at::parallel_for is OpenMP inside our own code
         cxx_flags.append("-fopenmp")
         link_flags.append("-fopenmp")
@@ -191,6 +210,8 @@ setup(
     name="amp",
     version="0.1.0",
     packages=find_packages(include=["amp", "amp.*", "fp16_utils", "fp16_utils.*"]),
+    # PEP 561: both packages are typed (mypy checks them in CI; see pyproject.toml).
+    package_data={"amp": ["py.typed"], "fp16_utils": ["py.typed"]},
     python_requires=">=3.9",
     # 2.3 is the oldest torch CI runs the whole suite on (with and without amp_C): the first
     # with a CPU kernel for the grad unscale that amp's CPU path shares with torch's GradScaler.

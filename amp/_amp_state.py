@@ -11,12 +11,20 @@ which its models apply inside their forward (``casting/policy.py``).
 Diagnostics go through ``logging.getLogger("amp")`` (configuration at INFO, skipped steps at
 WARNING), so applications can filter or redirect them; ``verbosity=0`` silences them.
 """
+from __future__ import annotations
+
 import gc
 import logging
 import warnings
 import weakref
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from .casting.handle import AmpHandle, NoOpHandle
+    from .frontend import Properties
+    from .scaler import LossScaler
 
 logger = logging.getLogger("amp")
 
@@ -24,8 +32,10 @@ logger = logging.getLogger("amp")
 class AmpContext:
     """What one ``amp.initialize`` call configured: options (``Properties``) and loss scalers."""
 
-    def __init__(self, properties, loss_scalers=(), verbosity=1, overflow_process_group=None,
-                 min_loss_scale=None, max_loss_scale=2.0**24, max_steps_at_scale_floor=0):
+    def __init__(self, properties: Properties, loss_scalers: Iterable[LossScaler] = (), verbosity: int = 1,
+                 overflow_process_group: dist.ProcessGroup | None = None,
+                 min_loss_scale: float | None = None, max_loss_scale: float | None = 2.0**24,
+                 max_steps_at_scale_floor: int = 0) -> None:
         self.properties = properties
         self.loss_scalers = list(loss_scalers)
         self.verbosity = verbosity
@@ -34,25 +44,25 @@ class AmpContext:
         self.max_loss_scale = max_loss_scale
         self.max_steps_at_scale_floor = max_steps_at_scale_floor
         # Weak references to the models and optimizers this call returned (see ``live``).
-        self._owners = []
+        self._owners: list[weakref.ref[Any]] = []
         # Its O1/O4 handle (casting.policy), whose weight-cast cache scale_loss clears; else None.
-        self.casting_policy = None
+        self.casting_policy: AmpHandle | None = None
         self.sharded_masters = False  # FSDP2 at O2/O5: the sharded fp32 params are the masters
-        self.unsharded_models = ()  # weakrefs, for amp._fsdp.check_order
+        self.unsharded_models: Sequence[weakref.ref[Any]] = ()  # for amp._fsdp.check_order
 
     @property
-    def enabled(self):
+    def enabled(self) -> bool:
         return self.properties.enabled
 
-    def track(self, objects):
+    def track(self, objects: Iterable[object]) -> None:
         """Follow ``objects`` (the call's models and optimizers) weakly: the run is live while one is."""
         self._owners = [weakref.ref(obj) for obj in objects]
 
     @property
-    def live(self):
+    def live(self) -> bool:
         return any(ref() is not None for ref in self._owners)
 
-    def loss_scaler(self, loss_id):
+    def loss_scaler(self, loss_id: int) -> LossScaler:
         """The scaler of loss ``loss_id``; an out-of-range id is an error that names ``num_losses``."""
         scalers = self.loss_scalers
         if isinstance(loss_id, bool) or not isinstance(loss_id, int) or not 0 <= loss_id < len(scalers):
@@ -62,23 +72,23 @@ class AmpContext:
 
 
 class AmpState:
-    def __init__(self):
+    def __init__(self) -> None:
         self.hard_override = False
         self.allow_incoming_model_not_fp32 = False
         self.verbosity = 1
-        self.opt_properties = None
-        self.loss_scalers = []
-        self.handle = None
-        self.min_loss_scale = None
-        self.max_loss_scale = 2.0**24
-        self.overflow_process_group = None
-        self.context = None
+        self.opt_properties: Properties | None = None
+        self.loss_scalers: list[LossScaler] = []
+        self.handle: AmpHandle | NoOpHandle | None = None
+        self.min_loss_scale: float | None = None
+        self.max_loss_scale: float | None = 2.0**24
+        self.overflow_process_group: dist.ProcessGroup | None = None
+        self.context: AmpContext | None = None
         # Optimizers seen by an ``initialize(enabled=False)``: scale_loss passes their loss through.
-        self.disabled_optimizers = weakref.WeakSet()
+        self.disabled_optimizers: weakref.WeakSet[Any] = weakref.WeakSet()
         # Every enabled context, in the order of the initialize calls; see ``live_runs``.
-        self.runs = []
+        self.runs: list[AmpContext] = []
 
-    def publish(self, context):
+    def publish(self, context: AmpContext) -> None:
         """Make ``context`` the latest one, as Apex's global fields show it."""
         self.context = context
         self.opt_properties = context.properties
@@ -90,7 +100,7 @@ class AmpState:
         if context.enabled:
             self.runs.append(context)
 
-    def live_runs(self):
+    def live_runs(self) -> list[AmpContext]:
         """The enabled contexts whose models or optimizers are still alive, oldest first."""
         if sum(context.live for context in self.runs) > 1:
             # An optimizer and its amp controller reference each other, so a run dropped by the
@@ -103,11 +113,11 @@ class AmpState:
 _amp_state = AmpState()
 
 
-def _is_rank_zero():
+def _is_rank_zero() -> bool:
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
-def maybe_print(msg, rank0=False, verbosity=None):
+def maybe_print(msg: str, rank0: bool = False, verbosity: int | None = None) -> None:
     """Log ``msg`` at INFO to the ``amp`` logger unless verbosity is 0 (with ``rank0``, only on rank 0).
 
     ``verbosity`` defaults to the latest ``initialize``'s.
@@ -117,7 +127,7 @@ def maybe_print(msg, rank0=False, verbosity=None):
         logger.info(msg)
 
 
-def warn_or_err(msg):
+def warn_or_err(msg: str) -> None:
     """Raise ``RuntimeError(msg)``, or only warn when ``_amp_state.hard_override`` is set."""
     if _amp_state.hard_override:
         warnings.warn(msg, stacklevel=3)

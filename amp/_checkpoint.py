@@ -8,10 +8,13 @@ and refuses, before anything changes, a checkpoint whose number of runs, ``num_l
 dynamic scalers differ from the live ones. ``optimizer=`` selects one run (``run``, here), in
 Apex's format.
 """
+from __future__ import annotations
+
 import copy
 from collections import OrderedDict
+from typing import Any
 
-from ._amp_state import _amp_state
+from ._amp_state import AmpContext, _amp_state
 
 RUN_PREFIX = "run"
 
@@ -30,7 +33,7 @@ def _scaler_states(context, destination):
     return destination
 
 
-def state_dict(destination=None, run=None):
+def state_dict(destination: dict[str, Any] | None = None, run: AmpContext | None = None) -> dict[str, Any]:
     if destination is None:
         destination = OrderedDict()
     if run is not None:
@@ -101,11 +104,12 @@ def _check_run(entry, context, state, runs, name):
                             f"{_kinds([scaler.dynamic])}.")
 
 
-def load_state_dict(state_dict, run=None):
+def load_state_dict(state_dict: dict[str, Any], run: AmpContext | None = None) -> None:
     if not isinstance(state_dict, dict):
         raise TypeError(f"amp.load_state_dict expects the dict from amp.state_dict(), got "
                         f"{type(state_dict).__name__}.")
     runs = [run] if run is not None else _amp_state.live_runs()
+    entries: list[Any]  # the saved runs' dicts, unchecked yet
     if not runs:
         raise RuntimeError("amp.load_state_dict() needs the loss scalers that amp.initialize creates: "
                            "call amp.initialize first, then load the checkpoint.")

@@ -13,9 +13,12 @@ value into its master. Every rank makes the call, so every rank marks the same p
 same, with no extra communication: the source rank of a broadcast too, which drops its masters'
 extra fp32 bits because the other ranks cannot have them.
 """
+from __future__ import annotations
+
 import functools
 import inspect
 import weakref
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -32,8 +35,8 @@ WRITING_CALLS = ("broadcast", "all_reduce", "reduce", "scatter", "all_gather", "
 
 # controller -> storage addresses of its watched params;
 # controller -> {storage address written since its last step: size of the largest group that wrote it}.
-_watched = weakref.WeakKeyDictionary()
-_written = weakref.WeakKeyDictionary()
+_watched: weakref.WeakKeyDictionary[Any, set[int]] = weakref.WeakKeyDictionary()
+_written: weakref.WeakKeyDictionary[Any, dict[int, int]] = weakref.WeakKeyDictionary()
 _installed = False
 
 

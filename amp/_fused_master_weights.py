@@ -25,6 +25,8 @@ The optimizer finds what it needs as attributes: ``_amp_model_copies`` (master -
 ``_amp_grads_from_model`` (whether this step reads the model's grads rather than master grads), and
 Apex's ``most_recent_scale`` / ``scale_set_by_backward``.
 """
+from __future__ import annotations
+
 import torch
 
 from ._compat import foreach_norm
@@ -35,7 +37,7 @@ from .multi_tensor_apply import multi_tensor_applier, multi_tensor_axpby, multi_
 __all__ = ["FusedMasterWeights", "inverse"]
 
 
-def inverse(scale):
+def inverse(scale: float | torch.Tensor) -> float | torch.Tensor:
     """``1 / scale`` as a 1-element fp32 tensor (or the float 1.0); the reciprocal is taken in fp64, as
     amp's scaler and GradScaler take it, so a fused step unscales to the same bits as their separate pass."""
     if not isinstance(scale, torch.Tensor):

@@ -97,7 +97,7 @@ def _check_optimizers(optimizers):
 
 def _named_params(models):
     """``{param: name}`` over all models (``model{i}.`` prefixes when there are several)."""
-    names = {}
+    names: dict[torch.Tensor, str] = {}
     for model_idx, model in enumerate(models):
         prefix = f"model{model_idx}." if len(models) > 1 else ""
         for name, param in model.named_parameters():
@@ -175,7 +175,7 @@ def _initialize(models, optimizers, context, num_losses, cast_model_outputs, sca
     # An earlier O1/O4 run's patches stay installed: its models keep its casts in their forward.
     earlier = _amp_state.context
     context.casting_policy = casting.use_run_policy(properties, context.verbosity == 2,
-                                                    earlier and earlier.properties.opt_level)
+                                                    earlier.properties.opt_level if earlier else None)
     for model in models:
         casting.track_forward(model, context.casting_policy)
     _amp_state.publish(context)

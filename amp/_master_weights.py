@@ -4,6 +4,10 @@ swapping fp32 masters into an optimizer in place of its low-precision params.
 ``amp.initialize`` (O2/O5) and ``fp16_utils`` (``FP16_Optimizer``, ``fp16util``) share these;
 ``fp16_utils`` imports them from here, never the other way round.
 """
+from __future__ import annotations
+
+from typing import Any, Iterable, TypeVar
+
 import torch
 import torch.nn as nn
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -22,8 +26,10 @@ LOW_PRECISION_DTYPES = (torch.float16, torch.bfloat16)
 # Params of these dtypes may be managed: low-precision ones get fp32 masters, fp32 ones are their own.
 SUPPORTED_PARAM_DTYPES = LOW_PRECISION_DTYPES + (torch.float32,)
 
+_M = TypeVar("_M", bound=nn.Module)
 
-def check_param_dtypes(params, where):
+
+def check_param_dtypes(params: Iterable[object], where: str) -> None:
     """Raise ``TypeError`` unless every param is a tensor of a dtype that fp32 masters can serve."""
     for i, p in enumerate(params):
         if not isinstance(p, torch.Tensor):
@@ -37,7 +43,7 @@ def check_param_dtypes(params, where):
                 "convert_network(model, torch.float16).")
 
 
-def check_trainable_dtype(param, name):
+def check_trainable_dtype(param: torch.Tensor, name: str) -> None:
     """amp's form of the rule above: reject a param it cannot train, naming it (``name``) and the fix."""
     if param.dtype in SUPPORTED_PARAM_DTYPES:
         return
@@ -50,7 +56,9 @@ def check_trainable_dtype(param, name):
                     "floating point (torch.float32, torch.float16 or torch.bfloat16).")
 
 
-def swap_in_fp32_masters(optimizer, group, exact_fp32=None):
+def swap_in_fp32_masters(
+    optimizer: torch.optim.Optimizer, group: dict[str, Any], exact_fp32: dict[int, torch.Tensor] | None = None,
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
     """Replace each fp16/bf16 param of ``group`` by an fp32 master, in place.
 
     Frozen params get masters too, and frozen fp32 params are kept: a param unfrozen later must
@@ -62,7 +70,9 @@ def swap_in_fp32_masters(optimizer, group, exact_fp32=None):
     they are)``.
     """
     exact_fp32 = exact_fp32 or {}
-    low_precision, masters, kept = [], [], []
+    low_precision: list[torch.Tensor] = []
+    masters: list[torch.Tensor] = []
+    kept: list[torch.Tensor] = []
     for index, param in enumerate(group["params"]):
         if not (param.requires_grad or param.is_floating_point()):
             continue
@@ -79,19 +89,19 @@ def swap_in_fp32_masters(optimizer, group, exact_fp32=None):
     return low_precision, masters, kept
 
 
-def check_module(module, where):
+def check_module(module: object, where: str) -> None:
     """Raise ``TypeError`` naming ``where`` unless ``module`` is an ``nn.Module``."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"{where} expects a torch.nn.Module, got {type(module).__name__}.")
 
 
-def _check_float_dtype(dtype, where):
+def _check_float_dtype(dtype: object, where: str) -> None:
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"{where}: dtype must be a floating-point torch.dtype such as "
                         f"torch.float16 or torch.bfloat16, got {dtype!r}.")
 
 
-def convert_module(module, dtype):
+def convert_module(module: _M, dtype: torch.dtype) -> _M:
     """Convert the floating-point params, grads and buffers of ``module`` itself (not its
     children) to ``dtype``, keeping the Parameter objects so optimizers still hold them."""
     check_module(module, "convert_module")
@@ -107,7 +117,7 @@ def convert_module(module, dtype):
     return module
 
 
-def convert_network(network, dtype):
+def convert_network(network: _M, dtype: torch.dtype) -> _M:
     """Convert ``network`` to ``dtype`` in place, except affine batch norm, which stays fp32.
 
     Non-affine batch norm is converted, running statistics included, as Apex did.

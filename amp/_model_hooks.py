@@ -41,7 +41,8 @@ def applier(value, fn):
             out[key] = applier(item, fn)
         return out
     if isinstance(value, collections.abc.Mapping):
-        return type(value)({key: applier(item, fn) for key, item in value.items()})
+        # A Mapping subclass rebuilt from a dict, as such constructors (MappingProxyType, ...) take.
+        return type(value)({key: applier(item, fn) for key, item in value.items()})  # type: ignore[call-arg]
     if isinstance(value, tuple) and hasattr(value, "_fields"):
         return type(value)(*(applier(item, fn) for item in value))
     if isinstance(value, (list, tuple)):
@@ -92,7 +93,7 @@ class _Masters:
 
     def named(self, module):
         """``(name, master)`` for every name of ``module``'s params that have one, tied aliases included."""
-        master_of = {}
+        master_of: dict[int, torch.Tensor] = {}
         for ref in self.optimizers:
             stash = getattr(ref(), "_amp_stash", None)
             if stash is not None and stash.master_weights:

@@ -11,10 +11,18 @@ are scaled down there until small fp16 ones flush to zero and applied steps chan
 scale held at such a floor is warned about (rate-limited), and after ``max_steps_at_scale_floor``
 steps raises :class:`LossScaleFloorError`. Both checks use only what the host already knows.
 """
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence
+
 import torch
 
 from ._amp_state import _is_rank_zero
 from ._amp_state import logger as amp_logger
+
+if TYPE_CHECKING:
+    from .scaler import LossScaler
 
 __all__ = ["LossScaleFloorError", "NonFiniteGradientsError", "OverflowReporter"]
 
@@ -49,8 +57,9 @@ class OverflowReporter:
     ``remedy`` ends the error with what the caller's user can change.
     """
 
-    def __init__(self, max_consecutive_skips, verbosity=1, logger=amp_logger, remedy=AMP_REMEDY, *,
-                 scalers=(), max_steps_at_scale_floor=0):
+    def __init__(self, max_consecutive_skips: int, verbosity: int = 1, logger: logging.Logger = amp_logger,
+                 remedy: str = AMP_REMEDY, *, scalers: Sequence[LossScaler] = (),
+                 max_steps_at_scale_floor: int = 0) -> None:
         self.max_consecutive_skips = max_consecutive_skips
         self.verbosity = verbosity
         self.logger = logger
@@ -62,7 +71,8 @@ class OverflowReporter:
         self.steps = 0
         self.steps_at_floor = 0
 
-    def report(self, total_skips, consecutive_skips, describe_skip, find_culprits):
+    def report(self, total_skips: int, consecutive_skips: int, describe_skip: Callable[[], str],
+               find_culprits: Callable[[], list[str]]) -> None:
         """Report skips up to ``total_skips``; the callables run only when their text is needed.
 
         Called once per step whose counts the host knows.
@@ -81,7 +91,7 @@ class OverflowReporter:
         elif total_skips // SUMMARY_EVERY > previous // SUMMARY_EVERY:
             self._log(f"Gradient overflow: {total_skips} steps skipped so far. {describe_skip()}")
 
-    def _watch_floor(self, total_skips):
+    def _watch_floor(self, total_skips: int) -> None:
         self.steps += 1
         stuck = [(loss_id, scaler) for loss_id, scaler in enumerate(self.scalers) if scaler.stuck_at_floor()]
         self.steps_at_floor = self.steps_at_floor + 1 if stuck else 0
@@ -93,7 +103,7 @@ class OverflowReporter:
         if self.steps_at_floor % SUMMARY_EVERY == 1:
             self._log(self._floor_message(stuck, total_skips))
 
-    def _floor_message(self, stuck, total_skips):
+    def _floor_message(self, stuck: list[tuple[int, LossScaler]], total_skips: int) -> str:
         loss_id, scaler = stuck[0]
         floor = scaler._scale_range[0]
         limit = (f"after max_steps_at_scale_floor={self.max_steps_at_scale_floor} such steps amp "
@@ -113,11 +123,11 @@ class OverflowReporter:
             "0 disables the check.)"
         )
 
-    def _log(self, message):
+    def _log(self, message: str) -> None:
         if self.verbosity > 0 and _is_rank_zero():
             self.logger.warning(message)
 
-    def _streak_message(self, consecutive_skips, culprits):
+    def _streak_message(self, consecutive_skips: int, culprits: list[str]) -> str:
         names = ", ".join(culprits[:NAMES_SHOWN])
         if len(culprits) > NAMES_SHOWN:
             names += f" and {len(culprits) - NAMES_SHOWN} more"
@@ -132,11 +142,11 @@ class OverflowReporter:
         )
 
 
-def non_finite_grad_names(named_tensors):
+def non_finite_grad_names(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
     """Names, in order, of the tensors in ``(name, tensor)`` pairs whose ``.grad`` is not finite."""
     return [name for name, t in named_tensors if t.grad is not None and not _all_finite(t.grad)]
 
 
-def _all_finite(grad):
+def _all_finite(grad: torch.Tensor) -> bool:
     values = grad.coalesce()._values() if grad.is_sparse else grad
     return bool(torch.isfinite(values).all())

@@ -14,11 +14,14 @@ flags that ``scale_loss`` recorded: with an optimizer that accepts ``found_inf``
 it; otherwise the flag is read once and a non-finite step is skipped without calling the optimizer
 at all. Either way a skipped step leaves parameters, optimizer state and step counters untouched.
 """
+from __future__ import annotations
+
 import contextlib
 import enum
 import functools
 import types
 import warnings
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch.optim.optimizer import required
@@ -29,6 +32,11 @@ from ._compat import (LR_SCHEDULER_STEP_MARKS, coalesced_sparse_coo_tensor, opti
 from ._master_weights import LOW_PRECISION_DTYPES, check_trainable_dtype, swap_in_fp32_masters
 from ._overflow_report import OverflowReporter, non_finite_grad_names
 from ._skip_counts import SkipCounts
+
+if TYPE_CHECKING:
+    from ._amp_state import AmpContext
+    from .handle import _ScaledBy
+    from .scaler import LossScaler
 
 # Methods _process_optimizer attaches; an optimizer that already has one is refused.
 ATTACHED_METHODS = ("_lazy_init_maybe_master_weights", "_master_params_to_model_params",
@@ -173,8 +181,11 @@ class OptimizerController:
     """
 
     master_weights = False
+    # Apex's field, in every controller: the low-precision params among those the optimizer trains.
+    all_fp16_params: list[torch.Tensor]
 
-    def __init__(self, optimizer, context, param_names, max_consecutive_skips):
+    def __init__(self, optimizer: Any, context: AmpContext, param_names: dict[torch.Tensor, str],
+                 max_consecutive_skips: int) -> None:
         self.optimizer = optimizer
         self.context = context
         self.patch_torch_functions = context.properties.patch_torch_functions
@@ -185,7 +196,7 @@ class OptimizerController:
         self._phase_before_backward = Phase.READY
         self._grads_set_aside = False
         # loss_id -> overflow flag (device tensor) of the backward passes since the last step.
-        self.found_inf_by_loss = {}
+        self.found_inf_by_loss: dict[int, torch.Tensor] = {}
         self.skips = SkipCounts(_param_device(optimizer))
         self.reporter = OverflowReporter(max_consecutive_skips, context.verbosity, scalers=context.loss_scalers,
                                          max_steps_at_scale_floor=context.max_steps_at_scale_floor)
@@ -196,26 +207,52 @@ class OptimizerController:
         self.original_add_param_group = optimizer.add_param_group
 
     @property
-    def in_scale_loss(self):
+    def in_scale_loss(self) -> bool:
         """Apex's flag: inside a ``scale_loss`` block."""
         return self.phase is Phase.IN_BACKWARD
 
     @property
-    def params_have_scaled_gradients(self):
+    def params_have_scaled_gradients(self) -> bool:
         """Apex's flag: a ``delay_unscale`` block left the grads scaled (still so inside a block)."""
         phase = self._phase_before_backward if self.phase is Phase.IN_BACKWARD else self.phase
         return phase is Phase.GRADS_SCALED
 
-    def prepare_master_grads(self):
+    def prepare_master_grads(self) -> None:
         """Called by ``amp.master_params``: make the grads it yields hold this step's gradients."""
 
-    def lazy_init(self, fp32_values=None):
+    def lazy_init(self, fp32_values: dict[int, torch.Tensor] | None = None) -> None:
         """Build the param lists once (``fp32_values``: exact initial values for new masters)."""
         if not self.lazy_init_called:
             self.init_params(fp32_values)
             self.lazy_init_called = True
 
-    def check_can_begin_backward(self):
+    # What a subclass says: what is stepped, and how grads are set aside, unscaled and put back.
+
+    def init_params(self, fp32_values: dict[int, torch.Tensor] | None = None) -> None:
+        """Build the param lists from the optimizer's groups."""
+        raise NotImplementedError
+
+    def _add_group(self, group: dict[str, Any]) -> None:
+        """Take in the params of a new param group."""
+        raise NotImplementedError
+
+    def model_params(self) -> list[torch.Tensor]:
+        """The model's own parameters this optimizer trains."""
+        raise NotImplementedError
+
+    def set_grads_aside(self) -> None:
+        """Before a backward: set aside the grads that exist."""
+        raise NotImplementedError
+
+    def unscale_grads(self, scaler: LossScaler | _ScaledBy) -> None:
+        """After a backward: unscale the new grads and add back those set aside."""
+        raise NotImplementedError
+
+    def _restore_grads(self) -> None:
+        """After a failed backward: put back the grads set aside."""
+        raise NotImplementedError
+
+    def check_can_begin_backward(self) -> None:
         """Raise if this optimizer's ``scale_loss`` block has not exited yet."""
         if self.phase is Phase.IN_BACKWARD:
             raise RuntimeError("amp.scale_loss was entered again for an optimizer whose scale_loss "
@@ -223,7 +260,7 @@ class OptimizerController:
                                "optimizer would unscale its gradients twice: finish the first "
                                "block, or pass several losses' sum to one block.")
 
-    def begin_backward(self, set_aside_grads=True):
+    def begin_backward(self, set_aside_grads: bool = True) -> None:
         """Enter a ``scale_loss`` block; set the existing grads aside unless they are still scaled.
 
         With ``set_aside_grads=False`` (``delay_unscale``, or nothing to unscale) they stay in place.
@@ -235,7 +272,7 @@ class OptimizerController:
         if self._grads_set_aside:
             self.set_grads_aside()
 
-    def end_backward(self, scaler):
+    def end_backward(self, scaler: LossScaler | _ScaledBy | None) -> None:
         """Leave the block: unscale every grad with ``scaler``; None (delay_unscale) keeps them scaled."""
         if scaler is None:
             self.phase = Phase.GRADS_SCALED
@@ -243,7 +280,7 @@ class OptimizerController:
             self.phase = Phase.UNSCALED
             self.unscale_grads(scaler)
 
-    def abort_backward(self):
+    def abort_backward(self) -> None:
         """Leave the block without unscaling: grads set aside come back, the phase is as before."""
         if self.phase is not Phase.IN_BACKWARD:
             return
@@ -251,13 +288,13 @@ class OptimizerController:
             self._restore_grads()
         self.phase = self._phase_before_backward
 
-    def note_found_inf(self, loss_id, found_inf):
+    def note_found_inf(self, loss_id: int, found_inf: torch.Tensor) -> None:
         """Keep ``loss_id``'s overflow flag for the next step (the max over its backward passes)."""
         flags = self.found_inf_by_loss
         previous = flags.get(loss_id)
         flags[loss_id] = found_inf if previous is None else torch.maximum(previous, found_inf)
 
-    def _check_step(self, closure):
+    def _check_step(self, closure: Callable[[], Any] | None) -> None:
         """Raise if step() comes before the gradients are unscaled."""
         if self.phase is Phase.IN_BACKWARD:
             raise RuntimeError("optimizer.step() was called inside its amp.scale_loss block: the "
@@ -269,7 +306,7 @@ class OptimizerController:
                                "it followed. Run the last backward of the step in a scale_loss block "
                                "with delay_unscale=False (it unscales everything), then call step().")
 
-    def step(self, closure=None, *args, **kwargs):
+    def step(self, closure: Callable[[], Any] | None = None, *args: Any, **kwargs: Any) -> Any:
         """The wrapped ``optimizer.step``: applied, or skipped if a grad since the last step overflowed."""
         self._check_step(closure)
         self.phase = Phase.READY
@@ -295,10 +332,10 @@ class OptimizerController:
             return self.original_step(*args, **kwargs)
         return self.original_step(closure, *args, **kwargs)
 
-    def _before_step(self):
+    def _before_step(self) -> None:
         """What a subclass must do before every step."""
 
-    def _after_step(self, copy_masters):
+    def _after_step(self, copy_masters: bool) -> None:
         """What a subclass must do after every step, applied or skipped."""
 
     def _step_with_found_inf(self, found_inf, closure, args, kwargs):
@@ -339,7 +376,7 @@ class OptimizerController:
                              _describe_skip(self.context.loss_scalers, overflowed), self._culprit_finder())
         return result, applied
 
-    def _culprit_finder(self):
+    def _culprit_finder(self) -> Callable[[], list[str]]:
         """A callable listing the names of the parameters (masters and model) whose grads are not finite."""
         def find():
             params = [p for group in self.optimizer.param_groups for p in group["params"]]
@@ -350,7 +387,7 @@ class OptimizerController:
                 for index, p in enumerate(params))
         return find
 
-    def add_param_group(self, new_group):
+    def add_param_group(self, new_group: dict[str, Any]) -> None:
         """Validate, then add: a rejected group leaves the optimizer and amp's bookkeeping unchanged."""
         group = _validated_param_group(self.optimizer, new_group, self.model_params())
         lengths = {name: len(value) for name, value in vars(self).items() if isinstance(value, list)}
@@ -366,14 +403,18 @@ class OptimizerController:
 class WithoutMasterWeights(OptimizerController):
     """The model's own params (fp32 and low precision) are stepped; their grads are unscaled in place."""
 
-    def init_params(self, fp32_values=None):
+    all_fp32_params: list[torch.Tensor]
+    all_fp16_grad_stash: list[torch.Tensor | None]
+    all_fp32_grad_stash: list[torch.Tensor | None]
+
+    def init_params(self, fp32_values: dict[int, torch.Tensor] | None = None) -> None:
         """Sort the params into ``all_fp16_params`` and ``all_fp32_params`` (``fp32_values``: unused)."""
         self.all_fp16_params, self.all_fp32_params = [], []
         self.all_fp16_grad_stash, self.all_fp32_grad_stash = [], []
         for group in self.optimizer.param_groups:
             self._add_group(group)
 
-    def _add_group(self, group):
+    def _add_group(self, group: dict[str, Any]) -> None:
         """Sort params into the low-precision and fp32 lists, each with a stash slot."""
         for param in group["params"]:
             check_trainable_dtype(param, self.param_names.get(param, "<parameter of the optimizer>"))
@@ -384,21 +425,21 @@ class WithoutMasterWeights(OptimizerController):
                 self.all_fp32_params.append(param)
                 self.all_fp32_grad_stash.append(None)
 
-    def model_params(self):
+    def model_params(self) -> list[torch.Tensor]:
         """The model's own parameters this optimizer trains."""
         return self.all_fp16_params + self.all_fp32_params
 
-    def set_grads_aside(self):
+    def set_grads_aside(self) -> None:
         """Apex's ``_prepare_amp_backward``: the grads so far wait while a backward adds new ones."""
         _stash_and_clear_grads(self.all_fp16_params, self.all_fp16_grad_stash)
         _stash_and_clear_grads(self.all_fp32_params, self.all_fp32_grad_stash)
 
-    def unscale_grads(self, scaler):
+    def unscale_grads(self, scaler: LossScaler | _ScaledBy) -> None:
         """Apex's ``_post_amp_backward``: unscale the new grads and add back those set aside."""
         _unscale_models_are_masters(scaler, self.all_fp16_params, self.all_fp16_grad_stash)
         _unscale_models_are_masters(scaler, self.all_fp32_params, self.all_fp32_grad_stash)
 
-    def _restore_grads(self):
+    def _restore_grads(self) -> None:
         _put_back_grads(self.all_fp16_params, self.all_fp16_grad_stash)
         _put_back_grads(self.all_fp32_params, self.all_fp32_grad_stash)
 
@@ -411,12 +452,22 @@ class WithMasterWeights(OptimizerController):
     """
 
     master_weights = True
+    # Apex's fields (made by init_params): per param group, then flat over all groups.
+    fp16_groups: list[list[torch.Tensor]]
+    fp32_from_fp16_groups: list[list[torch.Tensor]]
+    fp32_from_fp32_groups: list[list[torch.Tensor]]
+    all_fp32_from_fp16_params: list[torch.Tensor]
+    all_fp32_from_fp32_params: list[torch.Tensor]
+    all_fp16_grad_stash: list[torch.Tensor | None]
+    all_fp32_from_fp32_grad_stash: list[torch.Tensor | None]
+    master_grad_buffers: list[torch.Tensor | None]
+    model_versions: list[int]
 
-    def __init__(self, *args):
+    def __init__(self, *args: Any) -> None:
         super().__init__(*args)
         self._warned_step_without_backward = False
 
-    def init_params(self, fp32_values=None):
+    def init_params(self, fp32_values: dict[int, torch.Tensor] | None = None) -> None:
         """Swap in an fp32 master for each low-precision param (exact values from ``fp32_values``)."""
         for name in ("fp16_groups", "fp32_from_fp16_groups", "fp32_from_fp32_groups", "all_fp16_params",
                      "all_fp32_from_fp16_params", "all_fp32_from_fp32_params", "all_fp16_grad_stash",
@@ -430,14 +481,16 @@ class WithMasterWeights(OptimizerController):
         self.optimizer.load_state_dict(self.optimizer.state_dict())
         self._note_model_versions()
 
-    def _add_group(self, group, fp32_values=None):
+    def _add_group(self, group: dict[str, Any], fp32_values: dict[int, torch.Tensor] | None = None) -> None:
         """Swap each low-precision param of ``group`` for an fp32 master and record all three kinds."""
         for param in group["params"]:
             if param.requires_grad:
                 check_trainable_dtype(param, self.param_names.get(param, "<parameter of the optimizer>"))
         fp16_params, masters, fp32_params = swap_in_fp32_masters(self.optimizer, group, fp32_values)
         for param, master in zip(fp16_params, masters):
-            self.param_names.setdefault(master, self.param_names.get(param))
+            name = self.param_names.get(param)
+            if name is not None:  # an unnamed param's master is named by its position, as the param
+                self.param_names.setdefault(master, name)
         self.fp16_groups.append(fp16_params)
         self.fp32_from_fp16_groups.append(masters)
         self.fp32_from_fp32_groups.append(fp32_params)
@@ -449,11 +502,11 @@ class WithMasterWeights(OptimizerController):
         self.all_fp32_from_fp32_grad_stash += [None for _ in fp32_params]
         _collective_writes.watch(self, fp16_params)
 
-    def model_params(self):
+    def model_params(self) -> list[torch.Tensor]:
         """The model's own parameters this optimizer trains (not the masters)."""
         return self.all_fp16_params + self.all_fp32_from_fp32_params
 
-    def set_grads_aside(self):
+    def set_grads_aside(self) -> None:
         """Apex's ``_prepare_amp_backward``: the grads so far wait while a backward adds new ones."""
         # The masters hold what was accumulated so far; the model's fp16 grads start afresh.
         for param in self.all_fp16_params:
@@ -461,7 +514,7 @@ class WithMasterWeights(OptimizerController):
                 param.grad = None
         _stash_and_clear_grads(self.all_fp32_from_fp32_params, self.all_fp32_from_fp32_grad_stash)
 
-    def unscale_grads(self, scaler):
+    def unscale_grads(self, scaler: LossScaler | _ScaledBy) -> None:
         """Apex's ``_post_amp_backward``: unscale the model's grads into (or onto) the masters'."""
         fresh_model, fresh_master, acc_model, acc_master = [], [], [], []
         for index, (param, master) in enumerate(zip(self.all_fp16_params, self.all_fp32_from_fp16_params)):
@@ -484,7 +537,7 @@ class WithMasterWeights(OptimizerController):
         _unscale_models_are_masters(scaler, self.all_fp32_from_fp32_params,
                                     self.all_fp32_from_fp32_grad_stash)
 
-    def _master_grad_buffer(self, index, master):
+    def _master_grad_buffer(self, index: int, master: torch.Tensor) -> torch.Tensor:
         """The fp32 tensor that receives ``master``'s unscaled grad, allocated once and reused.
 
         Every step sets the masters' ``.grad`` back to None, so no step sees another's values; reusing
@@ -495,12 +548,12 @@ class WithMasterWeights(OptimizerController):
             buffer = self.master_grad_buffers[index] = torch.empty_like(master)
         return buffer
 
-    def _restore_grads(self):
+    def _restore_grads(self) -> None:
         for param in self.all_fp16_params:
             param.grad = None
         _put_back_grads(self.all_fp32_from_fp32_params, self.all_fp32_from_fp32_grad_stash)
 
-    def zero_grad(self, set_to_none=True):
+    def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the model's grads and the masters' (which ``optimizer.zero_grad`` would not reach)."""
         for param in self.all_fp16_params + self.all_fp32_from_fp32_params:
             if param.grad is None:
@@ -513,7 +566,7 @@ class WithMasterWeights(OptimizerController):
         for master in self.all_fp32_from_fp16_params:
             master.grad = None
 
-    def master_params_to_model_params(self):
+    def master_params_to_model_params(self) -> None:
         """Round the masters into the model's low-precision params."""
         if self.all_fp16_params:
             # A plain rounding copy, no scaling and no check: PyTorch's foreach copy is the fastest
@@ -522,11 +575,11 @@ class WithMasterWeights(OptimizerController):
                 torch._foreach_copy_(self.all_fp16_params, self.all_fp32_from_fp16_params)
             self._note_model_versions()
 
-    def _note_model_versions(self):
+    def _note_model_versions(self) -> None:
         """Remember each low-precision param's version right after amp wrote it (see below)."""
         self.model_versions = [param._version for param in self.all_fp16_params]
 
-    def _refresh_masters_written_elsewhere(self):
+    def _refresh_masters_written_elsewhere(self) -> None:
         """Take into its master the value of each low-precision param that something else wrote.
 
         Runs at the start of every step, before the masters are stepped and copied back. DDP's
@@ -562,7 +615,7 @@ class WithMasterWeights(OptimizerController):
                     master.copy_(param)
         self.model_versions = versions
 
-    def _check_step(self, closure):
+    def _check_step(self, closure: Callable[[], Any] | None) -> None:
         """Also refuse a closure, and warn (once) of a step with nothing to train."""
         if closure is not None:
             raise RuntimeError("Currently, Amp does not support closure use with optimizers under master "
@@ -576,15 +629,20 @@ class WithMasterWeights(OptimizerController):
                           "`with amp.scale_loss(loss, optimizer) as scaled_loss:`. (Warned once.)",
                           stacklevel=4)
 
-    def _before_step(self):
+    def _before_step(self) -> None:
         self._refresh_masters_written_elsewhere()
 
-    def _after_step(self, copy_masters):
+    def _after_step(self, copy_masters: bool) -> None:
         """Master->model copy and master-grad clearing that follow every step, applied or skipped."""
         if copy_masters:
             self.master_params_to_model_params()
         for master in self.all_fp32_from_fp16_params:
             master.grad = None
+
+
+def controller_of(optimizer: Any) -> OptimizerController:
+    """The controller ``amp.initialize`` gave ``optimizer`` (its ``_amp_stash``)."""
+    return optimizer._amp_stash
 
 
 def _amp_step(optimizer, *args, **kwargs):
@@ -609,7 +667,7 @@ def _process_optimizer(optimizer, context, param_names, fp32_values, max_consecu
     optimizer._lazy_init_maybe_master_weights = controller.init_params
     optimizer._prepare_amp_backward = controller.set_grads_aside
     optimizer._post_amp_backward = controller.unscale_grads
-    if controller.master_weights:
+    if isinstance(controller, WithMasterWeights):
         optimizer._master_params_to_model_params = controller.master_params_to_model_params
         optimizer.zero_grad = controller.zero_grad
     optimizer.add_param_group = controller.add_param_group

@@ -1,4 +1,6 @@
 """How many steps an optimizer skipped, kept on its device and readable on the host without a sync."""
+from __future__ import annotations
+
 import torch
 
 __all__ = ["SkipCounts"]
@@ -14,7 +16,7 @@ class SkipCounts:
     finished (``Event.query`` never blocks), so it lags by a step.
     """
 
-    def __init__(self, device):
+    def __init__(self, device: torch.device) -> None:
         self.counts = torch.zeros(2, dtype=torch.float32, device=device)
         self._total, self._in_a_row = self.counts[0], self.counts[1]
         self._one = torch.ones((), dtype=torch.float32, device=device)
@@ -22,13 +24,13 @@ class SkipCounts:
         self.last_skipped = self._zero
         if device.type == "cuda":
             self._host = torch.zeros(2, dtype=torch.float32, pin_memory=True)
-            self._event = torch.cuda.Event()
+            self._event: torch.cuda.Event | None = torch.cuda.Event()
         else:
             self._host, self._event = self.counts, None
         self._host_view = self._host.numpy()
         self._pending = self._event is None
 
-    def record(self, skipped):
+    def record(self, skipped: torch.Tensor) -> None:
         """Count one step; ``skipped`` is a 0-dim float32 device tensor, 1.0 for a skipped step."""
         torch._foreach_add_([self._total, self._in_a_row], [skipped, self._one])
         self._in_a_row.mul_(skipped)
@@ -38,25 +40,25 @@ class SkipCounts:
             self._event.record()
             self._pending = True
 
-    def record_known(self, skipped):
+    def record_known(self, skipped: bool) -> None:
         """Count one step whose outcome the host already knows (``skipped`` is a bool)."""
         self.record(self._one if skipped else self._zero)
 
-    def record_applied(self):
+    def record_applied(self) -> None:
         """A step that had no overflow check (static scale, or no scale_loss since the last one)."""
         self.last_skipped = self._zero
 
-    def host_values(self):
+    def host_values(self) -> tuple[int, int] | None:
         """``(skipped in all, skipped in a row)`` as ints, or None while the copy is in flight."""
         if not self._pending or (self._event is not None and not self._event.query()):
             return None
         self._pending = self._event is None
         return int(self._host_view[0]), int(self._host_view[1])
 
-    def step_applied(self):
+    def step_applied(self) -> torch.Tensor:
         """0-dim bool device tensor: was the last step applied?"""
         return self.last_skipped == 0
 
-    def skipped_steps(self):
+    def skipped_steps(self) -> torch.Tensor:
         """0-dim int64 device tensor: how many steps were skipped in all."""
         return self._total.to(torch.int64)

@@ -12,12 +12,15 @@ files are touched. Processes already running are not affected either way.
 ``python -S`` (no ``site``) processes no ``.pth`` file, so the switch does not reach it; ``python
 -I`` and ``-s`` skip the user site, which ``--user`` writes to.
 """
+from __future__ import annotations
+
 import argparse
 import os
 import site
 import sys
 import sysconfig
 from pathlib import Path
+from typing import Sequence
 
 from . import _apex_finder
 
@@ -27,7 +30,7 @@ PTH_NAME = "amp-apex-dropin.pth"
 _FINDER_FILE = Path(_apex_finder.__file__).resolve()
 
 
-def _pth_line(finder_file):
+def _pth_line(finder_file: Path) -> str:
     # One line (site.py executes lines that start with "import"), failing soft: a missing or
     # broken amp must never break Python's start-up.
     body = ("try:\n"
@@ -41,7 +44,7 @@ def _pth_line(finder_file):
     return f"import sys; exec({body!r})\n"
 
 
-def _site_dir(args):
+def _site_dir(args: argparse.Namespace) -> Path:
     if args.site is not None:
         return Path(args.site)
     if sys.flags.no_site:
@@ -53,14 +56,14 @@ def _site_dir(args):
     return Path(sysconfig.get_path("purelib"))
 
 
-def _processed_site_dirs():
+def _processed_site_dirs() -> set[Path]:
     dirs = list(site.getsitepackages()) if hasattr(site, "getsitepackages") else []
     if site.ENABLE_USER_SITE:
         dirs.append(site.getusersitepackages())
     return {Path(d).resolve() for d in dirs}
 
 
-def enable(site_dir):
+def enable(site_dir: str | os.PathLike[str]) -> Path:
     """Write the ``.pth`` into ``site_dir``; return its path."""
     site_dir = Path(site_dir)
     if not site_dir.is_dir():
@@ -76,7 +79,7 @@ def enable(site_dir):
     return pth
 
 
-def disable(site_dir):
+def disable(site_dir: str | os.PathLike[str]) -> bool:
     """Remove the ``.pth`` from ``site_dir``; return whether there was one."""
     pth = Path(site_dir) / PTH_NAME
     if not pth.exists():
@@ -85,7 +88,7 @@ def disable(site_dir):
     return True
 
 
-def status(site_dir):
+def status(site_dir: str | os.PathLike[str]) -> list[str]:
     """Lines describing the switch in ``site_dir`` and in this process."""
     pth = Path(site_dir) / PTH_NAME
     lines = []
@@ -116,7 +119,7 @@ def status(site_dir):
     return lines
 
 
-def main(argv=None):
+def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m amp.apex", description=(
         "Make `from apex import amp` (and apex.fp16_utils, apex.parallel, ...) resolve to amp in "
         "every new Python process of this environment."))

@@ -2,15 +2,23 @@
 
 The opt-level table below is the single source of truth for what each preset means.
 """
-from typing import NamedTuple, Optional
+from __future__ import annotations
+
+from typing import (TYPE_CHECKING, Any, Iterator, List, Mapping, NamedTuple, Tuple, TypeVar, Union,
+                    overload)
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from . import _checkpoint
 from ._amp_state import AmpContext, _amp_state, maybe_print, warn_or_err
 from ._initialize import _initialize
-from ._optimizer_wrappers import is_optimizer
+from ._optimizer_wrappers import OptimizerLike, OptimizerWrapper, is_optimizer
+
+if TYPE_CHECKING:
+    from ._process_optimizer import OptimizerController
+    from .scaler import LossScaler
 
 __all__ = ["initialize", "state_dict", "load_state_dict", "master_params", "last_step_applied",
            "skipped_steps", "loss_scale", "loss_scale_tensor", "loss_scaler", "Properties"]
@@ -22,8 +30,8 @@ class OptLevel(NamedTuple):
     """One preset: what it does, the dtype O1/O4 patch torch functions to, and its options."""
 
     brief: str
-    patch_type: Optional[torch.dtype]
-    options: dict
+    patch_type: torch.dtype | None
+    options: dict[str, Any]
 
 
 # Every preset also sets enabled=True and opt_level.
@@ -54,8 +62,8 @@ OPT_LEVELS = {
 class Properties:
     """The options of the current opt level; assigning an option validates it against the level."""
 
-    def __init__(self):
-        self.options = {
+    def __init__(self) -> None:
+        self.options: dict[str, Any] = {
             "enabled": False,
             "opt_level": None,
             "cast_model_type": None,
@@ -65,19 +73,19 @@ class Properties:
             "loss_scale": 1.0,
         }
 
-    def __getattr__(self, name):
+    def __getattr__(self, name: str) -> Any:
         options = self.__dict__.get("options", {})
         if name in options:
             return options[name]
         raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
 
     @property
-    def patch_torch_functions_type(self):
+    def patch_torch_functions_type(self) -> torch.dtype | None:
         """The low-precision dtype O1/O4 casts to, or None when functions are not patched."""
         level = OPT_LEVELS.get(self.opt_level)
         return level.patch_type if level is not None and self.patch_torch_functions else None
 
-    def __setattr__(self, name, value):
+    def __setattr__(self, name: str, value: Any) -> None:
         if "options" not in self.__dict__:
             super().__setattr__(name, value)
             return
@@ -127,22 +135,22 @@ class Properties:
         self.options[name] = value
 
 
-def _options_table(options):
+def _options_table(options: Mapping[str, Any]) -> str:
     return "\n".join(f"{key:22} : {value}" for key, value in options.items())
 
 
-def _check_bool(name, value):
+def _check_bool(name: str, value: object) -> None:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be True or False, got {value!r}"
                         + (" (a string, not a bool)." if isinstance(value, str) else "."))
 
 
-def _check_positive_int(name, value):
+def _check_positive_int(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}.")
 
 
-def _check_process_group(group):
+def _check_process_group(group: object) -> None:
     if group is None:
         return
     process_group = getattr(dist, "ProcessGroup", None) if dist.is_available() else None
@@ -152,9 +160,10 @@ def _check_process_group(group):
                         f"{group!r}.")
 
 
-def _check_arguments(enabled, opt_level, verbosity, num_losses, cast_model_outputs, growth_interval,
-                     hysteresis, max_consecutive_skips, overflow_process_group,
-                     max_steps_at_scale_floor):
+def _check_arguments(enabled: object, opt_level: object, verbosity: object, num_losses: object,
+                     cast_model_outputs: object, growth_interval: object, hysteresis: object,
+                     max_consecutive_skips: object, overflow_process_group: object,
+                     max_steps_at_scale_floor: object) -> None:
     """Every check of initialize's own arguments that needs no model or optimizer."""
     _check_bool("enabled", enabled)
     if isinstance(verbosity, bool) or verbosity not in (0, 1, 2):
@@ -181,7 +190,7 @@ def _check_arguments(enabled, opt_level, verbosity, num_losses, cast_model_outpu
     _check_process_group(overflow_process_group)
 
 
-def _properties_for(opt_level, overrides):
+def _properties_for(opt_level: str, overrides: Mapping[str, Any]) -> Properties:
     """A new ``Properties`` for ``opt_level`` with the user's non-None overrides applied (validated)."""
     properties = Properties()
     properties.enabled = True
@@ -194,12 +203,47 @@ def _properties_for(opt_level, overrides):
     return properties
 
 
-def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model_type=None,
-               patch_torch_functions=None, keep_batchnorm_fp32=None, master_weights=None,
-               loss_scale=None, cast_model_outputs=None, num_losses=1, verbosity=1,
-               min_loss_scale=None, max_loss_scale=2.0**24, *, growth_factor=2.0,
-               backoff_factor=None, growth_interval=2000, hysteresis=1,
-               max_consecutive_skips=50, overflow_process_group=None, max_steps_at_scale_floor=100):
+# What initialize gives back is what it was given: a model or a list of them, and, when
+# optimizers were passed, the optimizer or the list or tuple of them.
+_Models = TypeVar("_Models", bound=Union[nn.Module, List[Any]])
+_Optimizers = TypeVar("_Optimizers", bound=Union[torch.optim.Optimizer, OptimizerWrapper, List[Any],
+                                                 Tuple[Any, ...]])
+
+
+@overload
+def initialize(models: _Models, optimizers: None = None, enabled: bool = True, opt_level: str = "O1",
+               cast_model_type: torch.dtype | None = None, patch_torch_functions: bool | None = None,
+               keep_batchnorm_fp32: bool | str | None = None, master_weights: bool | None = None,
+               loss_scale: float | str | None = None, cast_model_outputs: torch.dtype | None = None,
+               num_losses: int = 1, verbosity: int = 1, min_loss_scale: float | None = None,
+               max_loss_scale: float | None = 2.0**24, *, growth_factor: float = 2.0,
+               backoff_factor: float | None = None, growth_interval: int = 2000, hysteresis: int = 1,
+               max_consecutive_skips: int = 50, overflow_process_group: dist.ProcessGroup | None = None,
+               max_steps_at_scale_floor: int = 100) -> _Models: ...
+
+
+@overload
+def initialize(models: _Models, optimizers: _Optimizers, enabled: bool = True, opt_level: str = "O1",
+               cast_model_type: torch.dtype | None = None, patch_torch_functions: bool | None = None,
+               keep_batchnorm_fp32: bool | str | None = None, master_weights: bool | None = None,
+               loss_scale: float | str | None = None, cast_model_outputs: torch.dtype | None = None,
+               num_losses: int = 1, verbosity: int = 1, min_loss_scale: float | None = None,
+               max_loss_scale: float | None = 2.0**24, *, growth_factor: float = 2.0,
+               backoff_factor: float | None = None, growth_interval: int = 2000, hysteresis: int = 1,
+               max_consecutive_skips: int = 50, overflow_process_group: dist.ProcessGroup | None = None,
+               max_steps_at_scale_floor: int = 100) -> tuple[_Models, _Optimizers]: ...
+
+
+def initialize(models: _Models, optimizers: _Optimizers | None = None, enabled: bool = True,
+               opt_level: str = "O1", cast_model_type: torch.dtype | None = None,
+               patch_torch_functions: bool | None = None, keep_batchnorm_fp32: bool | str | None = None,
+               master_weights: bool | None = None, loss_scale: float | str | None = None,
+               cast_model_outputs: torch.dtype | None = None, num_losses: int = 1, verbosity: int = 1,
+               min_loss_scale: float | None = None, max_loss_scale: float | None = 2.0**24, *,
+               growth_factor: float = 2.0, backoff_factor: float | None = None,
+               growth_interval: int = 2000, hysteresis: int = 1, max_consecutive_skips: int = 50,
+               overflow_process_group: dist.ProcessGroup | None = None,
+               max_steps_at_scale_floor: int = 100) -> _Models | tuple[_Models, _Optimizers]:
     """Prepare models and optimizers for mixed-precision training at the chosen ``opt_level``.
 
     Usage (Apex's three lines)::
@@ -270,7 +314,8 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
     return result
 
 
-def _initialize_disabled(models, optimizers, verbosity):
+def _initialize_disabled(models: _Models, optimizers: _Optimizers | None,
+                         verbosity: int) -> _Models | tuple[_Models, _Optimizers]:
     """``enabled=False``: nothing is changed; ``scale_loss`` passes these optimizers' loss through."""
     if is_optimizer(optimizers):
         _amp_state.disabled_optimizers.add(optimizers)
@@ -282,7 +327,8 @@ def _initialize_disabled(models, optimizers, verbosity):
     return models if optimizers is None else (models, optimizers)
 
 
-def state_dict(destination=None, optimizer=None):
+def state_dict(destination: dict[str, Any] | None = None,
+               optimizer: OptimizerLike | None = None) -> dict[str, Any]:
     """The loss scalers' state as plain numbers (loadable with ``torch.load(weights_only=True)``).
 
     With one live ``amp.initialize`` run (one whose models or optimizers are still alive) this is
@@ -292,7 +338,7 @@ def state_dict(destination=None, optimizer=None):
     return _checkpoint.state_dict(destination, None if optimizer is None else _stash(optimizer).context)
 
 
-def load_state_dict(state_dict, optimizer=None):
+def load_state_dict(state_dict: dict[str, Any], optimizer: OptimizerLike | None = None) -> None:
     """Restore the loss scalers from :func:`state_dict`; everything is validated before anything changes.
 
     Saved runs go to the live runs in ``initialize`` order; a checkpoint whose runs, ``num_losses``
@@ -302,7 +348,7 @@ def load_state_dict(state_dict, optimizer=None):
     _checkpoint.load_state_dict(state_dict, None if optimizer is None else _stash(optimizer).context)
 
 
-def master_params(optimizer):
+def master_params(optimizer: OptimizerLike) -> Iterator[torch.Tensor]:
     """Yield every parameter the optimizer steps: the fp32 masters under O2/O5.
 
     Clip gradients and read optimizer-side values through these, not ``model.parameters()``:
@@ -317,14 +363,14 @@ def master_params(optimizer):
         yield from group["params"]
 
 
-def _stash(optimizer):
+def _stash(optimizer: OptimizerLike) -> OptimizerController:
     stash = getattr(optimizer, "_amp_stash", None)
     if stash is None:
         raise RuntimeError("This optimizer was not returned by amp.initialize.")
     return stash
 
 
-def loss_scale(loss_id=0, optimizer=None):
+def loss_scale(loss_id: int = 0, optimizer: OptimizerLike | None = None) -> float:
     """The current loss scale of loss ``loss_id`` as a Python float (a dynamic scale: one sync).
 
     ``optimizer`` picks the ``amp.initialize`` call whose scaler is read (default: the latest).
@@ -333,7 +379,7 @@ def loss_scale(loss_id=0, optimizer=None):
     return _loss_scaler("loss_scale", loss_id, optimizer).loss_scale()
 
 
-def loss_scale_tensor(loss_id=0, optimizer=None):
+def loss_scale_tensor(loss_id: int = 0, optimizer: OptimizerLike | None = None) -> torch.Tensor:
     """The same as :func:`loss_scale`, as a 0-dim float32 tensor read without a sync.
 
     It is a copy, taken on the device where the scale lives; it does not follow later updates.
@@ -341,7 +387,7 @@ def loss_scale_tensor(loss_id=0, optimizer=None):
     return _loss_scaler("loss_scale_tensor", loss_id, optimizer).scale_tensor_copy()
 
 
-def loss_scaler(loss_id=0, optimizer=None):
+def loss_scaler(loss_id: int = 0, optimizer: OptimizerLike | None = None) -> LossScaler:
     """The :class:`amp.LossScaler` of loss ``loss_id`` (``get_scale``, ``set_scale``, ...).
 
     ``optimizer`` picks the ``amp.initialize`` call whose scaler is returned (default: the latest).
@@ -349,7 +395,7 @@ def loss_scaler(loss_id=0, optimizer=None):
     return _loss_scaler("loss_scaler", loss_id, optimizer)
 
 
-def _loss_scaler(caller, loss_id, optimizer):
+def _loss_scaler(caller: str, loss_id: int, optimizer: OptimizerLike | None) -> LossScaler:
     # ``caller``: the public function the user called, for the error message.
     if optimizer is not None:
         context = _stash(optimizer).context
@@ -360,7 +406,7 @@ def _loss_scaler(caller, loss_id, optimizer):
     return context.loss_scaler(loss_id)
 
 
-def last_step_applied(optimizer):
+def last_step_applied(optimizer: OptimizerLike) -> torch.Tensor:
     """A 0-dim bool tensor on the parameters' device: did the last ``step()`` update anything?
 
     Reading it on the host syncs; use it on the device to keep a step sync-free, e.g. an EMA
@@ -369,6 +415,6 @@ def last_step_applied(optimizer):
     return _stash(optimizer).skips.step_applied()
 
 
-def skipped_steps(optimizer):
+def skipped_steps(optimizer: OptimizerLike) -> torch.Tensor:
     """A 0-dim int64 tensor on the parameters' device: how many ``step()`` calls were skipped."""
     return _stash(optimizer).skips.skipped_steps()

@@ -5,16 +5,21 @@ The per-optimizer work is its controller's (``optimizer._amp_stash``): the block
 checks the arguments and does what the optimizers of one call share: the scaling and the overflow
 check.
 """
+from __future__ import annotations
+
 import contextlib
 import threading
 import weakref
+from typing import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 
-from ._amp_state import _amp_state
-from ._optimizer_wrappers import is_optimizer
+from ._amp_state import AmpContext, _amp_state
+from ._optimizer_wrappers import OptimizerLike, is_optimizer
 from ._fsdp import check_order
+from ._process_optimizer import OptimizerController, controller_of
+from .scaler import LossScaler
 
 __all__ = ["scale_loss"]
 
@@ -23,7 +28,7 @@ _NOT_INITIALIZED = ("Invoked 'with amp.scale_loss`, but internal Amp state has n
                     "called before `with amp.scale_loss`.")
 
 
-def _optimizer_list(optimizers):
+def _optimizer_list(optimizers: OptimizerLike | Sequence[OptimizerLike]) -> list[OptimizerLike]:
     if is_optimizer(optimizers):
         return [optimizers]
     if isinstance(optimizers, (list, tuple)):
@@ -43,9 +48,9 @@ def _optimizer_list(optimizers):
                     f"{type(optimizers).__name__}.")
 
 
-def _context_of(optimizers):
+def _context_of(optimizers: Sequence[OptimizerLike]) -> AmpContext | None:
     """The ``AmpContext`` of the ``initialize`` that returned these optimizers (None: pass through)."""
-    contexts = set()
+    contexts: set[AmpContext | None] = set()
     for optimizer in optimizers:
         stash = getattr(optimizer, "_amp_stash", None)
         if stash is not None:
@@ -66,20 +71,20 @@ def _context_of(optimizers):
     return contexts.pop()
 
 
-def _latest_context_for_no_optimizers():
+def _latest_context_for_no_optimizers() -> AmpContext:
     if _amp_state.context is None:
         raise RuntimeError(_NOT_INITIALIZED)
     return _amp_state.context
 
 
-def _check_no_shared_params(optimizers):
+def _check_no_shared_params(optimizers: Sequence[OptimizerLike]) -> None:
     """A parameter stepped by two optimizers would be unscaled (and updated) twice."""
-    owner = {}
+    owner: dict[torch.Tensor, int] = {}
     for index, optimizer in enumerate(optimizers):
-        for param in optimizer._amp_stash.model_params():
+        for param in controller_of(optimizer).model_params():
             other = owner.setdefault(param, index)
             if other != index:
-                name = optimizer._amp_stash.param_names.get(param, "a parameter")
+                name = controller_of(optimizer).param_names.get(param, "a parameter")
                 raise ValueError(
                     f"{name} belongs to optimizers {other} and {index} of this scale_loss call, so "
                     "its gradient would be unscaled and stepped twice. Give each parameter to "
@@ -90,12 +95,13 @@ def _check_no_shared_params(optimizers):
 # (innermost last). Blocks of two threads on one scaler would race: one block's exit updates the
 # scale in place while the other's loss, multiplied by it, still waits for its backward and its
 # unscaling, and each exit clears the overflow flag that the other is filling.
-_scaler_holders = weakref.WeakKeyDictionary()
+_scaler_holders: weakref.WeakKeyDictionary[LossScaler, tuple[int, list[_OpenBlock]]] = (
+    weakref.WeakKeyDictionary())
 # Makes checking and taking a scaler, and the optimizers' phase changes, one step across threads.
 _blocks_lock = threading.Lock()
 
 
-def _check_scaler_free(scaler, loss_id):
+def _check_scaler_free(scaler: LossScaler, loss_id: int) -> None:
     holder = _scaler_holders.get(scaler)
     if holder is not None and holder[0] != threading.get_ident():
         raise RuntimeError(
@@ -113,52 +119,56 @@ class _OpenBlock:
 
     __slots__ = ("scale",)
 
-    def __init__(self):
-        self.scale = None
+    def __init__(self) -> None:
+        self.scale: torch.Tensor | None = None
 
 
 class _ScaledBy:
     """``scaler``, unscaling by ``scale`` (a tensor) in place of its current scale."""
 
-    def __init__(self, scaler, scale):
+    def __init__(self, scaler: LossScaler, scale: torch.Tensor) -> None:
         self.scaler, self.scale = scaler, scale
 
-    def unscale(self, model_grads, master_grads, unused_scale, models_are_masters=False):
+    def unscale(self, model_grads: Sequence[torch.Tensor], master_grads: Sequence[torch.Tensor],
+                unused_scale: object, models_are_masters: bool = False) -> None:
         self.scaler.unscale(model_grads, master_grads, unused_scale, models_are_masters, scale_override=self.scale)
 
-    def unscale_with_stashed(self, model_grads, stashed_master_grads, master_grads):
+    def unscale_with_stashed(self, model_grads: Sequence[torch.Tensor],
+                             stashed_master_grads: Sequence[torch.Tensor],
+                             master_grads: Sequence[torch.Tensor]) -> None:
         self.scaler.unscale_with_stashed(model_grads, stashed_master_grads, master_grads,
                                          scale_override=(self.scale, 1.0, 1.0))
 
 
-def _begin_backward(controllers, set_aside_grads, scaler=None, loss_id=0):
+def _begin_backward(controllers: Sequence[OptimizerController], set_aside_grads: bool,
+                    scaler: LossScaler | None = None, loss_id: int = 0) -> _OpenBlock | None:
     """Every optimizer enters the block, or none does: a nested block raises before any change.
 
     A dynamic ``scaler`` is taken for this thread until ``_release_scaler``; a block of another
     thread that holds it raises, before any change, too. Returns this block's ``_OpenBlock``
     (None without a dynamic scaler).
     """
-    hold = scaler is not None and scaler.dynamic
+    held = scaler if scaler is not None and scaler.dynamic else None
     with _blocks_lock:
-        if hold:
-            _check_scaler_free(scaler, loss_id)
+        if held is not None:
+            _check_scaler_free(held, loss_id)
         for controller in controllers:
             controller.check_can_begin_backward()
         for controller in controllers:
             controller.begin_backward(set_aside_grads)
-        if not hold:
+        if held is None:
             return None
         block = _OpenBlock()
-        _, blocks = _scaler_holders.setdefault(scaler, (threading.get_ident(), []))
+        _, blocks = _scaler_holders.setdefault(held, (threading.get_ident(), []))
         if blocks and blocks[-1].scale is None:
             # Only the exit of a block nested in the enclosing one updates the scale, and this is the
             # first such block: the scale is still the one the enclosing block multiplied its loss by.
-            blocks[-1].scale = scaler.scale_tensor_copy()
+            blocks[-1].scale = held.scale_tensor_copy()
         blocks.append(block)
         return block
 
 
-def _release_scaler(scaler, block):
+def _release_scaler(scaler: LossScaler, block: _OpenBlock | None) -> None:
     """``block``, opened on ``scaler`` by ``_begin_backward``, is closed."""
     if block is None:
         return
@@ -169,14 +179,15 @@ def _release_scaler(scaler, block):
             del _scaler_holders[scaler]
 
 
-def _clear_cast_cache(context):
+def _clear_cast_cache(context: AmpContext) -> None:
     if context.casting_policy is not None:
         context.casting_policy._clear_cache()
 
 
 @contextlib.contextmanager
-def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False,
-               delay_overflow_check=False):
+def scale_loss(loss: torch.Tensor, optimizers: OptimizerLike | Sequence[OptimizerLike] | None,
+               loss_id: int = 0, model: object = None, delay_unscale: bool = False,
+               delay_overflow_check: bool = False) -> Iterator[torch.Tensor]:
     """Yield ``loss.float() * loss_scale`` for ``.backward()``; on exit, unscale and check overflow.
 
     On a clean exit the gradients of every optimizer passed are unscaled (into the fp32 master
@@ -201,6 +212,7 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False,
     whose dynamic loss scaler is held by a block open in another thread (give each thread its
     own ``loss_id``, or its own ``initialize`` call).
     """
+    context: AmpContext | None
     if optimizers is None:
         # Apex accepted None where the scale is a static 1.0 without masters (nothing to unscale).
         optimizers, context = [], _latest_context_for_no_optimizers()
@@ -214,7 +226,7 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False,
     check_order(context)
     if not isinstance(loss, torch.Tensor):
         raise TypeError(f"scale_loss expects the loss tensor, got {type(loss).__name__}.")
-    controllers = [optimizer._amp_stash for optimizer in optimizers]
+    controllers = [controller_of(optimizer) for optimizer in optimizers]
 
     if not context.properties.master_weights and not scaler.dynamic and scaler.loss_scale() == 1.0:
         # Nothing to scale or unscale, and a static scale checks nothing: the block only marks
@@ -247,14 +259,17 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False,
         _clear_cast_cache(context)
 
 
-def _unscale_and_check(controllers, context, scaler, loss_id, delay_unscale, delay_overflow_check, block):
+def _unscale_and_check(controllers: Sequence[OptimizerController], context: AmpContext,
+                       scaler: LossScaler, loss_id: int, delay_unscale: bool, delay_overflow_check: bool,
+                       block: _OpenBlock | None) -> None:
     if delay_unscale:
         for controller in controllers:
             controller.end_backward(None)
         return
     scaler.clear_overflow_state()
     # A nested block may have updated the scale since this block's loss was multiplied by it.
-    unscaler = scaler if block is None or block.scale is None else _ScaledBy(scaler, block.scale)
+    unscaler: LossScaler | _ScaledBy = (scaler if block is None or block.scale is None
+                                        else _ScaledBy(scaler, block.scale))
     for controller in controllers:
         controller.end_backward(unscaler)
     if delay_overflow_check:

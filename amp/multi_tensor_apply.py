@@ -9,7 +9,8 @@ The rule, evaluated per call on the device of the first tensor:
 * ``amp_C`` must import, must export the op, and must not be switched off (below);
 * CPU tensors: the extension's C++ kernels are used;
 * CUDA tensors: only if ``amp_C.cuda_available()`` returns True (an extension built without
-  CUDA still serves CPU tensors);
+  CUDA still serves CPU tensors) and the GPU code it was built for runs on the tensors' GPU
+  (``covers``);
 * any other device, or no tensors at all: the PyTorch version.
 
 Switching the extension off: ``AMP_DISABLE_EXTENSION=1`` in the environment sets the process-wide
@@ -18,9 +19,16 @@ benchmarks can compare both paths in one process. The switch is process-global, 
 
 Amp's own code calls ``multi_tensor_applier(multi_tensor_scale, flag, lists, scale)``; user code
 written for Apex may equally pass ``amp_C.multi_tensor_scale`` to the applier.
+
+Types: ``tensor_lists`` is a sequence of equally long sequences of tensors (``TensorLists``); a
+coefficient that may stay on the device is a host number or a 1-element fp32 tensor (``Scalar``).
 """
+from __future__ import annotations
+
 import contextlib
 import os
+import re
+from typing import Any, Callable, Iterator, Sequence, TypeVar, Union
 
 import torch
 
@@ -28,6 +36,7 @@ from amp import _torch_ops
 from amp._amp_state import maybe_print
 from amp._compat import local_tensor
 
+_import_error: ImportError | None
 try:
     import amp_C
 except ImportError as err:
@@ -37,12 +46,18 @@ else:
     _import_error = None
 
 # The ops keep amp_C's names; the list lives with their PyTorch versions.
-__all__ = ["MultiTensorApply", "multi_tensor_applier", "use_extension", "path_for",
-           *_torch_ops.__all__]
+__all__ = ["MultiTensorApply", "multi_tensor_applier", "use_extension", "path_for", "covers",
+           "TensorLists", "Scalar", *_torch_ops.__all__]
+
+#: ``[list0, list1, ...]``: an op's tensor lists; the tensors at one index are processed together.
+TensorLists = Sequence[Sequence[torch.Tensor]]
+#: A coefficient: a host number, or a 1-element float32 tensor on the tensors' device.
+Scalar = Union[float, torch.Tensor]
+_R = TypeVar("_R")
 
 _extension_cuda = amp_C is not None and bool(getattr(amp_C, "cuda_available", lambda: False)())
 _extension_enabled = os.environ.get("AMP_DISABLE_EXTENSION", "0") != "1"
-_fallback_reported = set()
+_fallback_reported: set[str] = set()
 
 
 class MultiTensorApply:
@@ -55,10 +70,10 @@ class MultiTensorApply:
     available = amp_C is not None
     import_err = _import_error
 
-    def __init__(self, chunk_size):
+    def __init__(self, chunk_size: int) -> None:
         self.chunk_size = chunk_size
 
-    def check_avail(self):
+    def check_avail(self) -> None:
         if not MultiTensorApply.available:
             raise RuntimeError(
                 "The amp_C extension is not built, so its kernels cannot be called directly. "
@@ -67,7 +82,8 @@ class MultiTensorApply:
                 f"Original error: {MultiTensorApply.import_err}"
             )
 
-    def __call__(self, op, noop_flag_buffer, tensor_lists, *args):
+    def __call__(self, op: Callable[..., _R], noop_flag_buffer: torch.Tensor, tensor_lists: TensorLists,
+                 *args: Any) -> _R:
         # FSDP2's grads are DTensors: the ops work on (and check the overlap of) their local shards.
         tensor_lists = [[local_tensor(t) for t in tensors] for tensors in tensor_lists]
         return op(self.chunk_size, noop_flag_buffer, tensor_lists, *args)
@@ -77,7 +93,7 @@ multi_tensor_applier = MultiTensorApply(2048 * 32)
 
 
 @contextlib.contextmanager
-def use_extension(enabled):
+def use_extension(enabled: bool) -> Iterator[None]:
     """Within the block, use ``amp_C`` where it applies (``True``) or always PyTorch (``False``)."""
     global _extension_enabled
     previous = _extension_enabled
@@ -88,7 +104,7 @@ def use_extension(enabled):
         _extension_enabled = previous
 
 
-def _report_fallback_once(reason):
+def _report_fallback_once(reason: str) -> None:
     # Once per process and reason: the fallback is correct, only slower, so it is not worth a
     # warning per step.
     if reason not in _fallback_reported:
@@ -101,21 +117,65 @@ def _report_fallback_once(reason):
         )
 
 
-def _fallback_reason(device):
+def _image_covers(image: str, major: int, minor: int) -> bool:
+    match = re.fullmatch(r"(sm|compute)_(\d+)(\d)([af]?)", image)
+    if match is None:
+        return False
+    kind, suffix = match.group(1), match.group(4)
+    img_major, img_minor = int(match.group(2)), int(match.group(3))
+    if suffix == "a":  # architecture-specific code runs on exactly that GPU
+        return (major, minor) == (img_major, img_minor)
+    if kind == "sm" or suffix == "f":  # SASS runs on later minors of the same major
+        return major == img_major and minor >= img_minor
+    return (major, minor) >= (img_major, img_minor)  # PTX is JIT-compiled for any later GPU
+
+
+def covers(images: Sequence[str] | None, capability: Sequence[int]) -> bool | None:
+    """Whether code compiled to ``images`` (``sm_90``, ``compute_80``...) runs on a GPU of
+    ``capability`` (major, minor); None when the images are unknown."""
+    if images is None:
+        return None
+    return any(_image_covers(image, capability[0], capability[1]) for image in images)
+
+
+_missing_gpu_code: dict[int, str | None] = {}
+
+
+def _gpu_code_missing(device: torch.device) -> str | None:
+    """Why ``amp_C`` cannot run on this GPU (it holds no code for its architecture), or None.
+
+    Decided once per device: without it the first kernel launch would fail with CUDA's "no kernel
+    image is available" in the middle of training.
+    """
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _missing_gpu_code:
+        build_info = getattr(amp_C, "build_info", None)
+        images = build_info().get("cuda_images") if build_info is not None else None
+        major, minor = torch.cuda.get_device_capability(index)
+        reason = None
+        if covers(images, (major, minor)) is False:
+            reason = (f"amp_C holds no GPU code for cuda:{index} (sm_{major}{minor}; it was built for "
+                      f"{', '.join(images or ()) or 'no GPU'}): rebuild it with TORCH_CUDA_ARCH_LIST="
+                      f"{major}.{minor} AMP_CUDA_EXT=1")
+        _missing_gpu_code[index] = reason
+    return _missing_gpu_code[index]
+
+
+def _fallback_reason(device: torch.device) -> str | None:
     """Why tensors on ``device`` get the PyTorch versions; None when ``amp_C`` serves them."""
     if not _extension_enabled:
         env = os.environ.get("AMP_DISABLE_EXTENSION", "0") == "1"
         return f"switched off by {'AMP_DISABLE_EXTENSION=1' if env else 'use_extension(False)'}"
     if amp_C is None:
         return f"the amp_C extension is not available ({_import_error})"
-    if device.type == "cuda" and not _extension_cuda:
-        return "amp_C was built without CUDA kernels"
-    if device.type not in ("cpu", "cuda"):
+    if device.type == "cuda":
+        return "amp_C was built without CUDA kernels" if not _extension_cuda else _gpu_code_missing(device)
+    if device.type != "cpu":
         return f"amp_C has no kernels for {device.type} tensors"
     return None
 
 
-def _extension_serves(device):
+def _extension_serves(device: torch.device) -> bool:
     reason = _fallback_reason(device)
     # Worth a note when building amp_C would help; a switch-off or another device is by choice.
     if reason is not None and _extension_enabled and device.type in ("cpu", "cuda"):
@@ -123,7 +183,7 @@ def _extension_serves(device):
     return reason is None
 
 
-def path_for(op_name, device):
+def path_for(op_name: str, device: torch.device | str) -> tuple[str, str]:
     """``("amp_C", why)`` or ``("torch", why)``: which implementation the op ``op_name`` of this
     module runs for tensors on ``device``, by the rule above (for reports: ``python -m amp.check``).
     """
@@ -137,7 +197,7 @@ def path_for(op_name, device):
     return "amp_C", f"amp_C serves {device.type} tensors"
 
 
-def _implementation(name, device):
+def _implementation(name: str, device: torch.device | None) -> Callable[..., Any]:
     if device is not None and _extension_serves(device):
         kernel = getattr(amp_C, name, None)
         if kernel is not None:
@@ -145,46 +205,55 @@ def _implementation(name, device):
     return getattr(_torch_ops, name)
 
 
-def _device_of(tensor_lists):
+def _device_of(tensor_lists: TensorLists) -> torch.device | None:
     for tensors in tensor_lists:
         if len(tensors) > 0:
             return tensors[0].device
     return None
 
 
-def multi_tensor_scale(chunk_size, noop_flag, tensor_lists, scale):
+def multi_tensor_scale(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: TensorLists,
+                       scale: Scalar) -> None:
     """``[in, out]``: ``out = float(in) * scale``; sets ``noop_flag`` on a non-finite input."""
     op = _implementation("multi_tensor_scale", _device_of(tensor_lists))
     return op(chunk_size, noop_flag, tensor_lists, scale)
 
 
-def multi_tensor_axpby(chunk_size, noop_flag, tensor_lists, a, b, arg_to_check):
+def multi_tensor_axpby(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: TensorLists, a: Scalar,
+                       b: Scalar, arg_to_check: int) -> None:
     """``[x, y, out]``: ``out = a*x + b*y``; checks x (0), y (1), both (-1) or neither."""
     op = _implementation("multi_tensor_axpby", _device_of(tensor_lists))
     return op(chunk_size, noop_flag, tensor_lists, a, b, arg_to_check)
 
 
-def multi_tensor_l2norm(chunk_size, noop_flag, tensor_lists, per_tensor=False):
+def multi_tensor_l2norm(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: TensorLists,
+                        per_tensor: bool | None = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``[x]`` -> ``(total norm [1], per-tensor norms [n] or [0])``, accumulated in fp32."""
     op = _implementation("multi_tensor_l2norm", _device_of(tensor_lists))
     return op(chunk_size, noop_flag, tensor_lists, per_tensor)
 
 
-def multi_tensor_l2norm_mp(chunk_size, noop_flag, tensor_lists, per_tensor=False):
+def multi_tensor_l2norm_mp(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: TensorLists,
+                           per_tensor: bool | None = False) -> tuple[torch.Tensor, torch.Tensor]:
     """As ``multi_tensor_l2norm``, but zero results when ``noop_flag`` is already set."""
     op = _implementation("multi_tensor_l2norm_mp", _device_of(tensor_lists))
     return op(chunk_size, noop_flag, tensor_lists, per_tensor)
 
 
-def multi_tensor_unscale_l2norm(chunk_size, noop_flag, tensor_lists, inv_scale, per_tensor=False):
+def multi_tensor_unscale_l2norm(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: TensorLists,
+                                inv_scale: Scalar,
+                                per_tensor: bool | None = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Norms of ``x * inv_scale``, leaving x unchanged."""
     op = _implementation("multi_tensor_unscale_l2norm", _device_of(tensor_lists))
     return op(chunk_size, noop_flag, tensor_lists, inv_scale, per_tensor)
 
 
-def update_scale_hysteresis(current_scale, growth_tracker, hysteresis_tracker, found_inf,
-                            growth_factor, backoff_factor, growth_interval, hysteresis,
-                            min_scale=None, max_scale=None, inv_scale=None, should_skip=None):
+def update_scale_hysteresis(current_scale: torch.Tensor, growth_tracker: torch.Tensor,
+                            hysteresis_tracker: torch.Tensor, found_inf: torch.Tensor,
+                            growth_factor: float, backoff_factor: float, growth_interval: int,
+                            hysteresis: int, min_scale: float | None = None,
+                            max_scale: float | None = None, inv_scale: torch.Tensor | None = None,
+                            should_skip: torch.Tensor | None = None) -> torch.Tensor:
     """Device-side loss-scale update with hysteresis (see ``amp._torch_ops``); returns the scale.
 
     The optional clamp and outputs make it amp's whole scale update in one call.
@@ -195,8 +264,9 @@ def update_scale_hysteresis(current_scale, growth_tracker, hysteresis_tracker, f
               min_scale, max_scale, inv_scale, should_skip)
 
 
-def multi_tensor_sgd(chunk_size, noop_flag, tensor_lists, wd, momentum, dampening, lr, nesterov,
-                     first_run, wd_after_momentum, scale):
+def multi_tensor_sgd(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: TensorLists, wd: float,
+                     momentum: float, dampening: float, lr: float, nesterov: bool, first_run: bool,
+                     wd_after_momentum: bool, scale: Scalar) -> None:
     """Fused SGD step on ``[grads, weights, momentum_bufs(, model_copies)]``; a no-op when
     ``noop_flag`` is set (see ``amp._torch_ops.multi_tensor_sgd`` for the arithmetic)."""
     op = _implementation("multi_tensor_sgd", _device_of(tensor_lists))
@@ -204,8 +274,9 @@ def multi_tensor_sgd(chunk_size, noop_flag, tensor_lists, wd, momentum, dampenin
               first_run, wd_after_momentum, scale)
 
 
-def multi_tensor_adam(chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, epsilon, step, mode,
-                      bias_correction, weight_decay, inv_scale=1.0):
+def multi_tensor_adam(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: TensorLists, lr: float,
+                      beta1: float, beta2: float, epsilon: float, step: int | torch.Tensor, mode: int,
+                      bias_correction: int, weight_decay: float, inv_scale: Scalar = 1.0) -> None:
     """Fused Adam/AdamW step on ``[grads, params, exp_avgs, exp_avg_sqs(, model_copies)]``; a no-op
     when ``noop_flag`` is set (see ``amp._torch_ops.multi_tensor_adam`` for the arithmetic)."""
     op = _implementation("multi_tensor_adam", _device_of(tensor_lists))

@@ -1,12 +1,16 @@
 """The loss scaler behind ``amp.scale_loss``."""
+from __future__ import annotations
+
 import math
 import numbers
 import struct
 import warnings
+from typing import Any, Sequence
 
 import torch
 
 from amp.multi_tensor_apply import (
+    Scalar,
     multi_tensor_applier,
     multi_tensor_axpby,
     multi_tensor_scale,
@@ -32,25 +36,26 @@ DEFAULT_MIN_LOSS_SCALE = 2.0**-24
 UNDERFLOW_WARNING_SCALE = 1.0
 
 
-def _is_real(value):
+def _is_real(value: object) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
-def _is_int(value):
+def _is_int(value: object) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def _require(ok, where, name, valid, value):
+def _require(ok: bool, where: str, name: str, valid: str, value: object) -> None:
     if not ok:
         raise ValueError(f"{where}: {name} must be {valid}, got {value!r}")
 
 
-def _in_range(value, low, high):
+def _in_range(value: Any, low: float, high: float) -> bool:
     # Also False for NaN, inf and non-numbers.
     return _is_real(value) and low <= value <= high
 
 
-def _one_name(where, apex_name, apex_value, torch_name, torch_value, default):
+def _one_name(where: str, apex_name: str, apex_value: Any, torch_name: str, torch_value: Any,
+              default: float) -> tuple[str, Any]:
     """``(name, value)`` of an option that has Apex's name and torch's name; at most one may be given."""
     if apex_value is not None and torch_value is not None:
         raise TypeError(f"{where}: {torch_name} and {apex_name} are the same option (torch's and Apex's "
@@ -60,7 +65,7 @@ def _one_name(where, apex_name, apex_value, torch_name, torch_value, default):
     return torch_name, default if torch_value is None else torch_value
 
 
-def _may_overflow(in_dtype, factor_bound, out_dtype):
+def _may_overflow(in_dtype: torch.dtype, factor_bound: float | None, out_dtype: torch.dtype) -> bool:
     """Whether ``factor * x`` can leave ``out_dtype``'s range although ``x`` (of ``in_dtype``) is
     finite; ``factor_bound`` bounds the fp32 factor the kernel uses, None if unknown.
 
@@ -71,7 +76,7 @@ def _may_overflow(in_dtype, factor_bound, out_dtype):
     return factor_bound is None or torch.finfo(in_dtype).max * factor_bound > torch.finfo(out_dtype).max
 
 
-def _as_fp32(value):
+def _as_fp32(value: float) -> float:
     """``value`` rounded to fp32 as ``LossScaler._ratio`` rounds the kernels' factors (inf if too large)."""
     try:
         return struct.unpack("f", struct.pack("f", value))[0]
@@ -79,7 +84,7 @@ def _as_fp32(value):
         return math.inf
 
 
-def _factor_bound(numerator, denominator):
+def _factor_bound(numerator: Scalar, denominator: Scalar) -> float | None:
     """The fp32 factor ``numerator / denominator`` for host numbers, None (unknown) for tensors."""
     if isinstance(numerator, torch.Tensor) or isinstance(denominator, torch.Tensor):
         return None
@@ -95,50 +100,52 @@ class _LaggedHostScale:
     ``backoff_factor`` at the least.
     """
 
-    def __init__(self, value):
+    def __init__(self, value: float) -> None:
         self.value, self.at_update = value, 0
         self.place(torch.device("cpu"))
 
-    def place(self, device):
+    def place(self, device: torch.device) -> None:
         self.device = device
         on_cuda = device.type == "cuda"
         # On the CPU the scale itself is host memory: it is read in place, nothing is copied.
         self.buffer = torch.zeros(1, dtype=torch.float32, pin_memory=True) if on_cuda else None
         self.copied = torch.cuda.Event() if on_cuda else None
-        self.pending_at = None
+        self.pending_at: int | None = None
         # What poll reads: a numpy view, made once, of the buffer (CUDA) or of the scale (CPU).
         self.source = self.buffer
-        self.view = self.buffer.numpy() if on_cuda else None
+        self.view = self.buffer.numpy() if self.buffer is not None else None
 
-    def set(self, value, updates):
+    def set(self, value: float, updates: int) -> None:
         """The host wrote ``value`` itself: known exactly, and any copy in flight is stale."""
         self.value, self.at_update, self.pending_at = value, updates, None
 
-    def enqueue(self, scale, updates):
+    def enqueue(self, scale: torch.Tensor, updates: int) -> None:
         if self.copied is None:
             if scale is not self.source:
                 self.source, self.view = scale, scale.numpy()
         else:
+            assert self.buffer is not None  # made with the event
             self.buffer.copy_(scale, non_blocking=True)
             # The copy runs on the scale's device's stream, which need not be the current device's.
             self.copied.record(torch.cuda.current_stream(scale.device))
         self.pending_at = updates
 
-    def poll(self):
+    def poll(self) -> float | None:
         """Take in the copy in flight if it has landed; returns its value, or None."""
         if self.pending_at is None or (self.copied is not None and not self.copied.query()):
             return None
+        assert self.view is not None  # a copy is pending, so there is something to read
         self.set(float(self.view[0]), self.pending_at)
         return self.value
 
-    def lower_bound(self, updates, backoff_factor, floor):
+    def lower_bound(self, updates: int, backoff_factor: float, floor: float) -> float:
         return max(floor, self.value * backoff_factor ** (updates - self.at_update))
 
-    def __getstate__(self):
+    def __getstate__(self) -> dict[str, Any]:
         # CUDA events cannot be copied or pickled: a copy gets its own buffer and event instead.
         return {"value": self.value, "at_update": self.at_update, "device": self.device}
 
-    def __setstate__(self, state):
+    def __setstate__(self, state: dict[str, Any]) -> None:
         self.value, self.at_update = state["value"], state["at_update"]
         self.place(state["device"])
 
@@ -206,18 +213,18 @@ class LossScaler:
 
     def __init__(
         self,
-        loss_scale,
-        init_scale=2.0**16,
-        scale_factor=None,
-        scale_window=None,
-        min_loss_scale=None,
-        max_loss_scale=2.0**24,
+        loss_scale: float | str,
+        init_scale: float = 2.0**16,
+        scale_factor: float | None = None,
+        scale_window: int | None = None,
+        min_loss_scale: float | None = None,
+        max_loss_scale: float | None = 2.0**24,
         *,
-        growth_factor=None,
-        growth_interval=None,
-        backoff_factor=None,
-        hysteresis=1,
-    ):
+        growth_factor: float | None = None,
+        growth_interval: int | None = None,
+        backoff_factor: float | None = None,
+        hysteresis: int = 1,
+    ) -> None:
         where = "LossScaler"
         scales = f"a number in [2**-126, {_FP32.max:.6g}] (finite in fp32, with a finite reciprocal)"
         factor_name, factor = _one_name(where, "scale_factor", scale_factor, "growth_factor", growth_factor, 2.0)
@@ -274,7 +281,7 @@ class LossScaler:
         # Whether the host last saw the scale sitting at a floor below 1 (see ``stuck_at_floor``).
         self._at_floor = False
         # Created on the CPU; _place moves it to the device where it is used (normally once).
-        self._device = None
+        self._device: torch.device | None = None
         self._scale = torch.full((1,), initial, dtype=torch.float32)
         # 1 / scale, divided in fp64 and rounded to fp32 (see _ratio), kept beside the scale by
         # every write so that unscaling needs no op to compute it.
@@ -283,7 +290,7 @@ class LossScaler:
         self._hysteresis_tracker = torch.full((1,), hysteresis, dtype=torch.int32)
         self._overflow_buf = torch.zeros(1, dtype=torch.float32)
 
-    def _place(self, device):
+    def _place(self, device: torch.device | str) -> torch.device:
         """Keep the state on ``device``, moving it there if it lives elsewhere; returns the device."""
         device = torch.device(device)
         if device != self._device:
@@ -296,7 +303,7 @@ class LossScaler:
             self._host_scale.place(self._device)
         return self._device
 
-    def loss_scale(self):
+    def loss_scale(self) -> float:
         """The current scale as a Python float (a dynamic scale is read from the device: a sync)."""
         if not self.dynamic:
             return self._static_scale
@@ -306,11 +313,11 @@ class LossScaler:
         self._note_host_scale(value)
         return value
 
-    def get_scale(self):
+    def get_scale(self) -> float:
         """The current scale as a Python float (torch's name for ``loss_scale()``)."""
         return self.loss_scale()
 
-    def set_scale(self, value):
+    def set_scale(self, value: float) -> None:
         """Replace the scale, e.g. to reset one that shrank while the gradients were broken.
 
         ``value`` must lie in ``[min_loss_scale, max_loss_scale]`` (any finite fp32 scale with a
@@ -320,26 +327,26 @@ class LossScaler:
         _require(_in_range(value, low, high), "LossScaler.set_scale", "the scale", self._range_text(), value)
         self._write_scale(float(value))
 
-    def _range_text(self):
+    def _range_text(self) -> str:
         low, high = self._scale_range
         if self.dynamic:
             return f"a number in [{low!r}, {high!r}] (this scaler's min_loss_scale and max_loss_scale)"
         return f"a number in [2**-126, {high:.6g}] (finite in fp32, with a finite reciprocal)"
 
-    def _write_scale(self, value):
+    def _write_scale(self, value: float) -> None:
         self._scale.fill_(value)
         self._inv_scale.fill_(1.0 / _as_fp32(value))
         self._static_scale = value
         self._host_scale.set(value, self._updates)
         self._note_host_scale(value)
 
-    def _note_host_scale(self, value):
+    def _note_host_scale(self, value: float) -> None:
         """Take in a value of the scale that the host has learnt (without waiting for the device)."""
         floor = self._scale_range[0]
         # The device clamps to the floor rounded to fp32 (a floor of 0.1 is 0.10000000149...).
         self._at_floor = self.dynamic and floor < UNDERFLOW_WARNING_SCALE and value <= _as_fp32(floor)
 
-    def stuck_at_floor(self):
+    def stuck_at_floor(self) -> bool:
         """Whether the scale, as the host last learnt it, sits at its floor and that floor is below 1.
 
         Read without a sync (on CUDA the host learns the scale a step or so late). A scale held
@@ -348,7 +355,7 @@ class LossScaler:
         """
         return self._at_floor
 
-    def _warn_if_low(self, value):
+    def _warn_if_low(self, value: float) -> None:
         if value < UNDERFLOW_WARNING_SCALE and not self._warned_low_scale:
             self._warned_low_scale = True
             warnings.warn(
@@ -360,22 +367,22 @@ class LossScaler:
             )
 
     @property
-    def _loss_scale(self):
+    def _loss_scale(self) -> float:
         return self.loss_scale()
 
     @_loss_scale.setter
-    def _loss_scale(self, value):
+    def _loss_scale(self, value: float) -> None:
         self.set_scale(value)
 
     @property
-    def _unskipped(self):
+    def _unskipped(self) -> int:
         return int(self._growth_tracker.item())
 
     @_unskipped.setter
-    def _unskipped(self, value):
+    def _unskipped(self, value: int) -> None:
         self._growth_tracker.fill_(int(value))
 
-    def scale_tensor(self, device):
+    def scale_tensor(self, device: torch.device | str) -> torch.Tensor:
         """The scale as a 0-dim float32 tensor on ``device`` (where the state then lives).
 
         It is the scaler's own state, to be read: change the scale with ``set_scale``, which also
@@ -384,23 +391,23 @@ class LossScaler:
         self._place(device)
         return self._scale.view(())
 
-    def scale_tensor_copy(self):
+    def scale_tensor_copy(self) -> torch.Tensor:
         """A copy of the current scale: 0-dim float32, on the device where it lives, read without a sync."""
         return self._scale.detach().clone().view(())
 
-    def found_inf(self):
+    def found_inf(self) -> torch.Tensor:
         """The overflow flag of the current backward: 1-element float32, > 0 once grads overflowed."""
         return self._overflow_buf
 
-    def clear_overflow_state(self):
+    def clear_overflow_state(self) -> None:
         self._overflow_buf.zero_()
 
-    def _as_float64(self, value):
+    def _as_float64(self, value: Scalar) -> torch.Tensor:
         if isinstance(value, torch.Tensor):
             return value.to(device=self._device, dtype=torch.float64).reshape(1)
         return torch.full((1,), float(value), dtype=torch.float64, device=self._device)
 
-    def _ratio(self, numerator, denominator):
+    def _ratio(self, numerator: Scalar, denominator: Scalar) -> torch.Tensor:
         # Divided in fp64 and then rounded to fp32, as GradScaler does: fp32 division can be
         # imprecise under some compiler flags, and Apex computed these ratios in Python doubles.
         if not isinstance(numerator, torch.Tensor) and float(numerator) == 1.0:
@@ -408,31 +415,34 @@ class LossScaler:
             return self._as_float64(denominator).reciprocal().to(torch.float32)
         return (self._as_float64(numerator) / self._as_float64(denominator)).to(torch.float32)
 
-    def _check_buffer(self):
+    def _check_buffer(self) -> torch.Tensor:
         # Static scalers never check for overflow: their flag is a throwaway.
         if self.dynamic:
             return self._overflow_buf
         return torch.zeros(1, dtype=torch.float32, device=self._device)
 
-    def _inverse_scale_bound(self):
+    def _inverse_scale_bound(self) -> float:
         """An upper bound on 1/scale known on the host without a sync."""
         self._poll_host_scale()
         floor = self._scale_range[0]
         # Rounding is monotonic: a scale at or above the bound has an fp32 inverse at or below this.
         return _as_fp32(1.0 / self._host_scale.lower_bound(self._updates, self._backoff_factor, floor))
 
-    def _poll_host_scale(self):
+    def _poll_host_scale(self) -> None:
         value = self._host_scale.poll()
         if value is not None:
             self._warn_if_low(value)
             self._note_host_scale(value)
 
-    def _check_outputs(self, inputs, factor_bound, outputs):
+    def _check_outputs(self, inputs: Sequence[torch.Tensor], factor_bound: float | None,
+                       outputs: Sequence[torch.Tensor]) -> None:
         """Flag non-finite ``outputs`` if ``factor * inputs`` may overflow them (see ``_may_overflow``)."""
         if _may_overflow(inputs[0].dtype, factor_bound, outputs[0].dtype):
             multi_tensor_applier(multi_tensor_scale, self._overflow_buf, [outputs, outputs], 1.0)
 
-    def unscale(self, model_grads, master_grads, unused_scale, models_are_masters=False, scale_override=None):
+    def unscale(self, model_grads: Sequence[torch.Tensor], master_grads: Sequence[torch.Tensor],
+                unused_scale: object, models_are_masters: bool = False,
+                scale_override: Scalar | None = None) -> None:
         """``master_grads[i] = model_grads[i] / scale`` in one fused pass, flagging non-finite model grads.
 
         ``scale_override`` (a float or a tensor) replaces the scale, not its inverse.
@@ -451,7 +461,10 @@ class LossScaler:
             bound = self._inverse_scale_bound() if scale_override is None else _factor_bound(1.0, scale_override)
             self._check_outputs(model_grads, bound, master_grads)
 
-    def unscale_with_stashed(self, model_grads, stashed_master_grads, master_grads, scale_override=None):
+    def unscale_with_stashed(self, model_grads: Sequence[torch.Tensor],
+                             stashed_master_grads: Sequence[torch.Tensor],
+                             master_grads: Sequence[torch.Tensor],
+                             scale_override: tuple[Scalar, Scalar, Scalar] | None = None) -> None:
         """``master = model * (out_scale / grads_have_scale) + stashed * (out_scale / stashed_have_scale)``.
 
         ``scale_override`` is ``(grads_have_scale, stashed_have_scale, out_scale)``, by default
@@ -463,6 +476,9 @@ class LossScaler:
         if len(model_grads) == 0:
             return
         self._place(model_grads[0].device)
+        grads_have_scale: Scalar
+        stashed_have_scale: Scalar
+        out_scale: Scalar
         if scale_override is None:
             grads_have_scale, stashed_have_scale, out_scale = self._scale, 1.0, 1.0
             model_factor = self._inv_scale
@@ -482,7 +498,7 @@ class LossScaler:
                            else _factor_bound(out_scale, grads_have_scale))
             self._check_outputs(model_grads, model_bound, master_grads)
 
-    def update_scale_(self):
+    def update_scale_(self) -> torch.Tensor:
         """Update the scale from the overflow flag on the device, without a host sync.
 
         Returns a new 1-element float32 tensor: 1.0 if this backward overflowed and its step must be
@@ -512,13 +528,13 @@ class LossScaler:
         self._poll_host_scale()
         return should_skip
 
-    def update_scale(self):
+    def update_scale(self) -> bool:
         """Apex's API: update the scale and return whether this step must be skipped (one host read)."""
         if not self.dynamic:
             return False
         return bool(self.update_scale_().item())
 
-    def state_dict(self):
+    def state_dict(self) -> dict[str, Any]:
         """The scale and counters as Python numbers (loadable with ``torch.load(weights_only=True)``)."""
         return {
             "loss_scale": self.loss_scale(),
@@ -527,7 +543,7 @@ class LossScaler:
             "dynamic": self.dynamic,
         }
 
-    def load_state_dict(self, state_dict):
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore ``state_dict()``'s values; everything is validated before anything changes.
 
         Apex's two-key dicts (``loss_scale``, ``unskipped``) load too; the hysteresis tracker then

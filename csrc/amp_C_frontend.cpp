@@ -53,6 +53,9 @@ auto with_chunk_size(R (*op)(int64_t, Rest...)) {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // The tensor arguments are converted through the Python types that `import torch` registers, so a
+  // bare `import amp_C` imports torch first (setup.py's rpath let the loader find its libraries).
+  py::module_::import("torch");
   m.doc() = "Fused multi-tensor kernels for amp (CPU, and CUDA when built with AMP_CUDA_EXT=1)";
   using release = py::call_guard<py::gil_scoped_release>;
   m.def("multi_tensor_scale", with_chunk_size(&amp_C::multi_tensor_scale),

@@ -1,4 +1,6 @@
 """The deprecation warning that Apex's legacy mixed-precision entry points emitted."""
+from __future__ import annotations
+
 import warnings
 
 import torch.distributed as dist
@@ -14,7 +16,7 @@ class DeprecatedFeatureWarning(FutureWarning):
     """
 
 
-def deprecated_warning(msg):
+def deprecated_warning(msg: str) -> None:
     # Only rank 0 warns, so a multi-process job prints the notice once rather than once per rank.
     if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
         return

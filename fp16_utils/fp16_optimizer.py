@@ -2,9 +2,13 @@
 
 Kept for code written against Apex's ``fp16_utils``; new code should use ``amp.initialize``.
 """
+from __future__ import annotations
+
 import logging
 import math
 import numbers
+from collections import defaultdict
+from typing import Any, Callable, Iterable, NoReturn, Sequence
 
 import torch
 
@@ -30,16 +34,16 @@ _STATE_DICT_KEYS = ("loss_scaler", "dynamic_loss_scale", "overflow", "first_clos
 MAX_CLOSURE_RETRIES = 64
 
 
-def _grouped(rows):
+def _grouped(rows: Iterable[Sequence[torch.Tensor]]) -> list[list[list[torch.Tensor]]]:
     """Split rows of tensors by the devices and dtypes in each row and return each group as
     columns, because every list of one fused call must share a device and a dtype."""
-    groups = {}
+    groups: dict[tuple[tuple[torch.device, torch.dtype], ...], list[Sequence[torch.Tensor]]] = {}
     for row in rows:
         groups.setdefault(tuple((t.device, t.dtype) for t in row), []).append(row)
     return [[list(column) for column in zip(*group)] for group in groups.values()]
 
 
-def _clear_grad(p, set_to_none):
+def _clear_grad(p: torch.Tensor, set_to_none: bool) -> None:
     if set_to_none:
         p.grad = None
     elif p.grad is not None:
@@ -47,7 +51,7 @@ def _clear_grad(p, set_to_none):
         p.grad.zero_()
 
 
-def _check_optimizer(optimizer):
+def _check_optimizer(optimizer: object) -> None:
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"FP16_Optimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}; "
                         "build the optimizer on the model's params first, then wrap it.")
@@ -59,21 +63,22 @@ def _check_optimizer(optimizer):
                            "gives it fp32 master weights and loss scaling; use amp.scale_loss instead.")
 
 
-def _as_flag(value, name):
+def _as_flag(value: Any, name: str) -> bool:
     """Apex tested these flags for truth, so ints (``verbose=0``) work; a string such as
     ``"False"`` would be true, and is refused."""
-    if isinstance(value, numbers.Integral) and value >= 0:
+    if isinstance(value, numbers.Integral) and int(value) >= 0:
         return bool(value)
     raise TypeError(f"FP16_Optimizer: {name} must be True or False (or an int >= 0), got {value!r}.")
 
 
-def _check_max_consecutive_skips(value):
+def _check_max_consecutive_skips(value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
         raise ValueError("FP16_Optimizer: max_consecutive_skips must be an int >= 0 (0 disables the "
                          f"check), got {value!r}.")
 
 
-def _make_loss_scaler(static_loss_scale, dynamic_loss_scale, dynamic_loss_args):
+def _make_loss_scaler(static_loss_scale: Any, dynamic_loss_scale: bool,
+                      dynamic_loss_args: Any) -> LossScaler:
     # Checked even when dynamic scaling ignores it, as a bad value is a bug in the caller.
     if isinstance(static_loss_scale, bool) or not isinstance(static_loss_scale, numbers.Real):
         raise TypeError(f"FP16_Optimizer: static_loss_scale must be a number, got {static_loss_scale!r}"
@@ -98,7 +103,7 @@ def _make_loss_scaler(static_loss_scale, dynamic_loss_scale, dynamic_loss_args):
     return LossScaler("dynamic", **dynamic_loss_args)
 
 
-def _check_params(optimizer):
+def _check_params(optimizer: torch.optim.Optimizer) -> None:
     # Frozen floating params are checked too: they get masters, as they may be unfrozen later.
     for i, group in enumerate(optimizer.param_groups):
         for j, param in enumerate(group["params"]):
@@ -148,8 +153,9 @@ class FP16_Optimizer:
     # not import fp16_utils.
     _is_fp16_utils_optimizer = True
 
-    def __init__(self, init_optimizer, static_loss_scale=1.0, dynamic_loss_scale=False,
-                 dynamic_loss_args=None, verbose=True, *, max_consecutive_skips=50):
+    def __init__(self, init_optimizer: torch.optim.Optimizer, static_loss_scale: float = 1.0,
+                 dynamic_loss_scale: bool = False, dynamic_loss_args: dict[str, Any] | None = None,
+                 verbose: bool = True, *, max_consecutive_skips: int = 50) -> None:
         # Everything is checked before init_optimizer is touched: a rejected call changes nothing.
         _check_optimizer(init_optimizer)
         dynamic_loss_scale = _as_flag(dynamic_loss_scale, "dynamic_loss_scale")
@@ -173,7 +179,8 @@ class FP16_Optimizer:
         self.first_closure_call_this_step = True
         self.clip_grad_norm = torch.nn.utils.clip_grad_norm_
         self._make_masters()
-        init_optimizer._wrapped_by_fp16_optimizer = True
+        # A mark on the user's optimizer, read back with getattr by _check_optimizer.
+        init_optimizer._wrapped_by_fp16_optimizer = True  # type: ignore[attr-defined]
         # Grad bookkeeping that makes repeated backward calls accumulate exactly:
         # _grads_pending: a backward ran whose grads are still scaled in the model params.
         # _masters_hold_grads: master grads (and fp32 params' grads) hold unscaled sums.
@@ -181,12 +188,12 @@ class FP16_Optimizer:
         #              the masters hold grads, and added back by update_master_grads.
         self._grads_pending = False
         self._masters_hold_grads = False
-        self._fp32_stash = None
+        self._fp32_stash: list[torch.Tensor | None] | None = None
 
-    def _make_masters(self):
-        self.fp16_groups = []
-        self.fp32_from_fp16_groups = []
-        self.fp32_from_fp32_groups = []
+    def _make_masters(self) -> None:
+        self.fp16_groups: list[list[torch.Tensor]] = []
+        self.fp32_from_fp16_groups: list[list[torch.Tensor]] = []
+        self.fp32_from_fp32_groups: list[list[torch.Tensor]] = []
         for i, group in enumerate(self.optimizer.param_groups):
             self.maybe_print(f"FP16_Optimizer processing param group {i}:")
             fp16_params, fp32_from_fp16, fp32_params = swap_in_fp32_masters(self.optimizer, group)
@@ -201,22 +208,22 @@ class FP16_Optimizer:
         # The round trip casts any state the optimizer already had to the masters' dtype.
         self.optimizer.load_state_dict(self.optimizer.state_dict())
 
-    def maybe_print(self, msg):
+    def maybe_print(self, msg: str) -> None:
         """Log progress at info level when ``verbose`` (Apex printed it)."""
         if self.verbose:
             logger.info(msg)
 
-    def _maybe_warn(self, msg):
+    def _maybe_warn(self, msg: str) -> None:
         if self.verbose:
             logger.warning(msg)
 
-    def __getstate__(self):
+    def __getstate__(self) -> NoReturn:
         raise RuntimeError("FP16_Optimizer should be serialized using state_dict().")
 
-    def __setstate__(self, state):
+    def __setstate__(self, state: object) -> NoReturn:
         raise RuntimeError("FP16_Optimizer should be deserialized using load_state_dict().")
 
-    def zero_grad(self, set_grads_to_None=False, *, set_to_none=None):
+    def zero_grad(self, set_grads_to_None: bool = False, *, set_to_none: bool | None = None) -> None:
         """Zero (or, with ``set_grads_to_None``/``set_to_none``, drop) the master and model grads."""
         if set_to_none is not None:
             set_grads_to_None = set_to_none
@@ -232,14 +239,14 @@ class FP16_Optimizer:
         self._masters_hold_grads = False
         self._fp32_stash = None
 
-    def _master_params_to_model_params(self):
+    def _master_params_to_model_params(self) -> None:
         rows = list(zip(self.all_fp32_from_fp16_params, self.all_fp16_params))
         for masters, models in _grouped(rows):
             noop_flag = torch.zeros(1, dtype=torch.int32, device=masters[0].device)
             with torch.no_grad():  # the params are leaves that require grad
                 multi_tensor_applier(multi_tensor_scale, noop_flag, [masters, models], 1.0)
 
-    def _report_skip(self):
+    def _report_skip(self) -> None:
         """Count a skipped step; log it (rate-limited), or raise once skips never end."""
         self.skipped_steps += 1
         self.consecutive_skips += 1
@@ -251,14 +258,14 @@ class FP16_Optimizer:
             lambda: f"Gradient overflow.  Skipping step, reducing loss scale to {self.loss_scaler.loss_scale()}",
             lambda: non_finite_grad_names(named))
 
-    def _clear_master_grads(self):
+    def _clear_master_grads(self) -> None:
         for group in self.optimizer.param_groups:
             for p in group["params"]:
                 p.grad = None
         self._masters_hold_grads = False
         self._fp32_stash = None
 
-    def clip_master_grads(self, max_norm, norm_type=2):
+    def clip_master_grads(self, max_norm: float, norm_type: float = 2) -> torch.Tensor | float:
         """Clip the fp32 master grads by their total norm and return that norm (before clipping),
         or -1 when the grads overflowed (the coming step will be skipped anyway)."""
         self._flush_pending_grads()
@@ -267,7 +274,7 @@ class FP16_Optimizer:
         fp32_params = [p for group in self.optimizer.param_groups for p in group["params"]]
         return self.clip_grad_norm(fp32_params, max_norm, norm_type)
 
-    def backward(self, loss, update_master_grads=True, retain_graph=False):
+    def backward(self, loss: torch.Tensor, update_master_grads: bool = True, retain_graph: bool = False) -> None:
         """Run ``(loss.float() * loss_scale).backward()`` and, by default, unscale the new grads
         into the fp32 master grads. Grads of repeated calls accumulate, as with ``loss.backward()``."""
         if not isinstance(loss, torch.Tensor):
@@ -289,7 +296,7 @@ class FP16_Optimizer:
         if update_master_grads:
             self.update_master_grads()
 
-    def update_master_grads(self):
+    def update_master_grads(self) -> None:
         """Unscale the grads of the backward passes since the last call into the fp32 master
         grads, check them for overflow (dynamic scaling) and update the scale. Calling it again
         without a new ``backward`` does nothing, so nothing is ever unscaled twice."""
@@ -299,7 +306,8 @@ class FP16_Optimizer:
         scaler.clear_overflow_state()
         scale = scaler.loss_scale()
         stash = self._fp32_stash
-        fresh, added = [], []
+        fresh: list[tuple[torch.Tensor, torch.Tensor]] = []
+        added: list[tuple[torch.Tensor, torch.Tensor]] = []
         for model, master in zip(self.all_fp16_params, self.all_fp32_from_fp16_params):
             if model.grad is None:
                 continue
@@ -309,7 +317,8 @@ class FP16_Optimizer:
                 if master.grad is None:
                     master.grad = torch.empty_like(master)
                 fresh.append((model.grad, master.grad))
-        fp32_fresh, fp32_added = [], []
+        fp32_fresh: list[tuple[torch.Tensor]] = []
+        fp32_added: list[tuple[torch.Tensor, torch.Tensor]] = []
         for k, p in enumerate(self.all_fp32_from_fp32_params):
             earlier = None if stash is None else stash[k]
             if p.grad is None:
@@ -324,8 +333,8 @@ class FP16_Optimizer:
             scaler.unscale(grads, grads, scale, models_are_masters=True)
         for model_grads, master_grads in _grouped(added):
             scaler.unscale_with_stashed(model_grads, master_grads, master_grads)
-        for grads, earlier in _grouped(fp32_added):
-            scaler.unscale_with_stashed(grads, earlier, grads)
+        for grads, stashed in _grouped(fp32_added):
+            scaler.unscale_with_stashed(grads, stashed, grads)
         # Earlier grads that overflowed are still in the sums, so the overflow stays.
         earlier_overflow = stash is not None and self.overflow
         self.overflow = scaler.update_scale() or earlier_overflow
@@ -333,13 +342,13 @@ class FP16_Optimizer:
         self._masters_hold_grads = True
         self._fp32_stash = None
 
-    def _flush_pending_grads(self):
+    def _flush_pending_grads(self) -> None:
         # backward(update_master_grads=False) leaves grads scaled; whatever reads the master
         # grads next must see them unscaled.
         if self._grads_pending:
             self.update_master_grads()
 
-    def inspect_master_grad_data(self):
+    def inspect_master_grad_data(self) -> list[list[torch.Tensor | None]] | None:
         """Return, per param group, the master grads (``None`` for a param without one), or
         ``None`` while the grads have overflowed."""
         self._flush_pending_grads()
@@ -350,7 +359,7 @@ class FP16_Optimizer:
         return [[None if p.grad is None else p.grad.data for p in group["params"]]
                 for group in self.optimizer.param_groups]
 
-    def step(self, closure=None):
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Step the wrapped optimizer on the fp32 masters and copy them into the model, or, if
         the grads overflowed, skip the step (params and optimizer state untouched)."""
         if closure is not None:
@@ -368,8 +377,8 @@ class FP16_Optimizer:
         self._master_params_to_model_params()
         return retval
 
-    def _step_with_closure(self, closure):
-        def wrapped_closure():
+    def _step_with_closure(self, closure: Callable[[], Any]) -> Any:
+        def wrapped_closure() -> Any:
             if self.first_closure_call_this_step:
                 self.first_closure_call_this_step = False
             else:
@@ -401,7 +410,7 @@ class FP16_Optimizer:
         self._master_params_to_model_params()
         return retval
 
-    def state_dict(self):
+    def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume exactly, as tensors and numbers only (the scaler as its own
         dict), so ``torch.load(..., weights_only=True)`` reads it back."""
         return {
@@ -413,7 +422,7 @@ class FP16_Optimizer:
             "fp32_from_fp16": [[p.detach() for p in group] for group in self.fp32_from_fp16_groups],
         }
 
-    def load_state_dict(self, state_dict):
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what ``state_dict()`` saved, the fp32 masters exactly. Load the model's
         ``state_dict`` too (before or after); nothing is changed if the checkpoint does not fit."""
         self._check_state_dict(state_dict)
@@ -431,7 +440,7 @@ class FP16_Optimizer:
                 for current, saved in zip(current_group, saved_group):
                     current.copy_(saved)
 
-    def _check_state_dict(self, state_dict):
+    def _check_state_dict(self, state_dict: object) -> None:
         where = "FP16_Optimizer.load_state_dict"
         if not isinstance(state_dict, dict):
             raise TypeError(f"{where} expects the dict FP16_Optimizer.state_dict() returned, got "
@@ -460,26 +469,26 @@ class FP16_Optimizer:
                              f"low-precision params (expected shapes {shapes} per param group); the "
                              "checkpoint belongs to a different model or param grouping.")
 
-    def _get_loss_scale(self):
+    def _get_loss_scale(self) -> float:
         return self.loss_scaler.loss_scale()
 
-    def _set_loss_scale(self, value):
+    def _set_loss_scale(self, value: float) -> None:
         self.loss_scaler._loss_scale = value
 
     loss_scale = property(_get_loss_scale, _set_loss_scale)
 
-    def _get_state(self):
+    def _get_state(self) -> defaultdict[torch.Tensor, Any]:
         return self.optimizer.state
 
-    def _set_state(self, value):
+    def _set_state(self, value: defaultdict[torch.Tensor, Any]) -> None:
         self.optimizer.state = value
 
     state = property(_get_state, _set_state)
 
-    def _get_param_groups(self):
+    def _get_param_groups(self) -> list[dict[str, Any]]:
         return self.optimizer.param_groups
 
-    def _set_param_groups(self, value):
+    def _set_param_groups(self, value: list[dict[str, Any]]) -> None:
         self.optimizer.param_groups = value
 
     param_groups = property(_get_param_groups, _set_param_groups)

@@ -1,5 +1,9 @@
 """Helpers for hand-written mixed-precision training: converting networks to a low-precision
 dtype while keeping batch norm in fp32, and keeping fp32 master copies of low-precision params."""
+from __future__ import annotations
+
+from typing import Any, Iterable, Sequence, TypeVar
+
 import torch
 import torch.nn as nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
@@ -17,6 +21,8 @@ from amp._master_weights import (  # noqa: F401
 
 from ._deprecation import deprecated_warning
 
+_M = TypeVar("_M", bound=nn.Module)
+
 __all__ = [
     "tofp16",
     "BN_convert_float",
@@ -32,39 +38,40 @@ __all__ = [
 ]
 
 
-def _check_flag(value, name, where):
+def _check_flag(value: object, name: str, where: str) -> None:
     if not isinstance(value, bool):
         raise TypeError(f"{where}: {name} must be True or False, got {value!r}.")
 
 
-def _check_param_pairs(model_params, master_params, flat_master, where):
+def _check_param_pairs(model_params: Iterable[torch.Tensor], master_params: Iterable[torch.Tensor],
+                       flat_master: bool, where: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     _check_flag(flat_master, "flat_master", where)
-    model_params, master_params = list(model_params), list(master_params)
+    models, masters = list(model_params), list(master_params)
     if flat_master:
-        if len(master_params) != 1:
+        if len(masters) != 1:
             raise ValueError(f"{where}: with flat_master=True, master_params must hold the single "
                              f"flat master from prep_param_lists(model, flat_master=True), got "
-                             f"{len(master_params)} tensors.")
-        numel = sum(p.numel() for p in model_params)
-        if master_params[0].numel() != numel:
-            raise ValueError(f"{where}: the flat master has {master_params[0].numel()} elements but "
+                             f"{len(masters)} tensors.")
+        numel = sum(p.numel() for p in models)
+        if masters[0].numel() != numel:
+            raise ValueError(f"{where}: the flat master has {masters[0].numel()} elements but "
                              f"the model params have {numel}; pass the lists prep_param_lists returned.")
-    elif len(model_params) != len(master_params):
-        raise ValueError(f"{where}: got {len(model_params)} model params but {len(master_params)} "
+    elif len(models) != len(masters):
+        raise ValueError(f"{where}: got {len(models)} model params but {len(masters)} "
                          "master params; pass the two lists prep_param_lists returned.")
-    return model_params, master_params
+    return models, masters
 
 
 class tofp16(nn.Module):
     """A layer that casts its input to half, used as the first layer by ``network_to_half``."""
 
-    def forward(self, input):
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
         if not isinstance(input, torch.Tensor):
             raise TypeError(f"tofp16 expects a tensor input, got {type(input).__name__}.")
         return input.half()
 
 
-def BN_convert_float(module):
+def BN_convert_float(module: _M) -> _M:
     """Cast every affine batch norm inside ``module`` back to fp32 (its statistics need the range)."""
     check_module(module, "BN_convert_float")
     for m in module.modules():
@@ -73,7 +80,7 @@ def BN_convert_float(module):
     return module
 
 
-def network_to_half(network):
+def network_to_half(network: nn.Module) -> nn.Sequential:
     """Legacy: ``nn.Sequential(tofp16(), network.half())`` with affine batch norm kept in fp32.
 
     Prefer ``FP16Model`` or ``convert_network``, which also keep the batch-norm buffers in fp32.
@@ -89,7 +96,7 @@ class FP16Model(nn.Module):
     ``dtype`` is torch.float16 (Apex's only choice) or torch.bfloat16.
     """
 
-    def __init__(self, network, *, dtype=torch.float16):
+    def __init__(self, network: nn.Module, *, dtype: torch.dtype = torch.float16) -> None:
         deprecated_warning("apex.fp16_utils is deprecated and will be removed. "
                            "Use amp.initialize with opt_level='O2' (or 'O5' for bfloat16) instead.")
         super().__init__()
@@ -99,7 +106,7 @@ class FP16Model(nn.Module):
         self.dtype = dtype
         self.network = convert_network(network, dtype)
 
-    def forward(self, *inputs):
+    def forward(self, *inputs: torch.Tensor) -> Any:
         cast = []
         for i, t in enumerate(inputs):
             if not isinstance(t, torch.Tensor):
@@ -109,7 +116,8 @@ class FP16Model(nn.Module):
         return self.network(*cast)
 
 
-def prep_param_lists(model, flat_master=False):
+def prep_param_lists(model: nn.Module,
+                     flat_master: bool = False) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
     """Return ``(model_params, master_params)``: the params of ``model`` that require grad, and
     fp32 copies of them (one flat fp32 Parameter with ``flat_master=True``) for the optimizer."""
     check_module(model, "prep_param_lists")
@@ -132,7 +140,8 @@ def prep_param_lists(model, flat_master=False):
     return model_params, master_params
 
 
-def model_grads_to_master_grads(model_params, master_params, flat_master=False):
+def model_grads_to_master_grads(model_params: Iterable[torch.Tensor], master_params: Iterable[torch.Tensor],
+                                flat_master: bool = False) -> None:
     """Copy the model grads into the fp32 master grads (a model param without a grad leaves its
     master without one). The copy does not unscale: divide by the loss scale afterwards."""
     where = "model_grads_to_master_grads"
@@ -156,7 +165,8 @@ def model_grads_to_master_grads(model_params, master_params, flat_master=False):
         master.grad.copy_(model.grad)
 
 
-def master_params_to_model_params(model_params, master_params, flat_master=False):
+def master_params_to_model_params(model_params: Iterable[torch.Tensor], master_params: Iterable[torch.Tensor],
+                                  flat_master: bool = False) -> None:
     """Copy the fp32 masters into the model params, rounding to the model's dtype."""
     where = "master_params_to_model_params"
     model_params, master_params = _check_param_pairs(model_params, master_params, flat_master, where)
@@ -167,7 +177,7 @@ def master_params_to_model_params(model_params, master_params, flat_master=False
             model.copy_(master)
 
 
-def to_python_float(t):
+def to_python_float(t: torch.Tensor | Sequence[float]) -> float:
     """``t.item()`` for tensors; ``t[0]`` for the one-element sequences old code passed."""
     if hasattr(t, "item"):
         return t.item()

@@ -5,8 +5,12 @@ within a tight tolerance (different summation order). CPU always; the same fuzz 
 (``-m cuda``) where a GPU is present.
 """
 import itertools
+import os
 import platform
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -493,6 +497,30 @@ def test_build_info_describes_this_build():
             assert {"avx2", "fma", "f16c"} <= flags
         elif info["cpu_x86_64_v3_clones"]:
             assert not {"avx2", "fma", "f16c", "bmi2", "movbe"} <= flags
+
+
+# ---- the module ----------------------------------------------------------------------------------
+
+BARE_IMPORT = """
+import sys
+assert "torch" not in sys.modules
+import amp_C
+torch = sys.modules["torch"]
+x, out = torch.tensor([1.0, 3.0]), torch.empty(2, dtype=torch.float16)
+flag = torch.zeros(1, dtype=torch.int32)
+amp_C.multi_tensor_scale(2048, flag, [[x], [out]], 0.5)
+print(out.tolist(), flag.item())
+"""
+
+
+def test_a_bare_import_in_a_fresh_interpreter_works(tmp_path):
+    # Apex-era files start with `import amp_C`: the extension finds torch's libraries through its
+    # rpath and imports torch before it converts a tensor.
+    env = dict(os.environ, PYTHONPATH=str(Path(amp_C.__file__).parent))
+    result = subprocess.run([sys.executable, "-c", BARE_IMPORT], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["[0.5,", "1.5]", "0"]
 
 
 # ---- the same contract as the fallback -----------------------------------------------------------

@@ -238,23 +238,26 @@ def test_a_kernel_s_fault_reaches_the_json(kernels_with, tmp_path):
     (None, (9, 0), None),
 ])
 def test_gpu_code_covers_a_gpu_by_cuda_s_compatibility_rules(images, capability, covered):
-    assert environment.covers(images, capability) is covered
+    assert mta.covers(images, capability) is covered
 
 
-def test_a_gpu_the_build_has_no_code_for_is_reported_with_how_to_rebuild(monkeypatch):
+def test_a_gpu_the_build_has_no_code_for_takes_the_pytorch_path_with_how_to_rebuild(monkeypatch):
     fake = types.SimpleNamespace(cuda_available=lambda: True, **{
         "build_info": lambda: {"cuda_kernels": True, "torch_cuda": True, "cuda_images": ["sm_80", "sm_90"],
                                "cpu_x86_64_v3_clones": True, "cpu_runs_x86_64_v3": False, "cpu_f16c_stores": True},
         **{name: getattr(_torch_ops, name) for name in _torch_ops.__all__}})
     monkeypatch.setattr(mta, "amp_C", fake)
     monkeypatch.setattr(mta, "_extension_cuda", True)
+    monkeypatch.setattr(mta, "_missing_gpu_code", {})
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (12, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "A future GPU")
     with use_extension(True):
         env = environment.collect([CPU, torch.device("cuda", 0)])
     gpu = env["devices"][1]
     assert (gpu["device"], gpu["capability"], gpu["amp_C_covers"]) == ("cuda:0", "12.0", False)
-    assert all(op["path"] == "amp_C" and "TORCH_CUDA_ARCH_LIST=12.0" in op["reason"] for op in gpu["ops"])
+    # Such a GPU takes the PyTorch path (a kernel launch would fail there), and the report says why.
+    assert all(op["path"] == "torch" and "TORCH_CUDA_ARCH_LIST=12.0" in op["reason"] for op in gpu["ops"])
+    assert mta._implementation("multi_tensor_scale", torch.device("cuda", 0)) is _torch_ops.multi_tensor_scale
     assert env["cpu"]["amp_C_path"].startswith("loops: baseline x86-64 clones")
     lines = "\n".join(environment.describe(env))
     assert "cuda:0: A future GPU (capability 12.0); amp_C code for it: NOT covered" in lines

@@ -24,6 +24,21 @@ def test_endless_overflow_raises_naming_the_first_non_finite_parameters():
     assert "amp.loss_scaler(0, optimizer=optimizer).set_scale(2.**16)" in message
 
 
+def test_endless_overflow_names_a_parameter_no_model_names_by_its_position():
+    # A low-precision parameter given to the optimizer after initialize has an fp32 master but no
+    # name; the error used to fail on it with a TypeError (the master's name was None).
+    model, optimizer = initialized("O2", max_consecutive_skips=2)
+    extra = torch.nn.Parameter(torch.ones(3, dtype=torch.float16))
+    optimizer.add_param_group({"params": [extra]})
+    with pytest.raises(amp.NonFiniteGradientsError, match=r"not finite: <parameter \d+ of the optimizer>"):
+        for step in range(3):
+            loss = loss_of(model(batch(step))) + (extra.float() * float("nan")).sum()
+            with amp.scale_loss(loss, optimizer) as scaled_loss:
+                scaled_loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+
 def test_a_clean_step_resets_the_consecutive_skip_count():
     model, optimizer = initialized("O1", max_consecutive_skips=2)
     for step, inject in enumerate([True, True, False, True, True, False]):

@@ -3,6 +3,10 @@
 The helpers walk the positional and keyword arguments once and allocate nothing when no argument
 needs a cast, because they run on every patched call (every ``x + y`` under O1).
 """
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Iterable, Sequence, Tuple
+
 import torch
 from torch import Tensor
 from torch.nn import Parameter
@@ -18,25 +22,33 @@ TYPE_NAMES = {torch.float16: "Half", torch.bfloat16: "BFloat16", torch.float32: 
 # weight list, the tensors of cat); torch.Size and other tuple subclasses are never containers.
 _SEQUENCES = (list, tuple)
 
+#: ``cast(tensor, dtype)``: one cast, made by ``make_caster`` or a wrapper's policy caster.
+Caster = Callable[[Tensor, torch.dtype], Tensor]
+#: The O1/O4 weight-cast cache: fp32 Parameter -> (its low-precision copy, the Parameter's version).
+CastCache = Dict[Parameter, Tuple[Tensor, int]]
 
-def _all_floating(seq):
+
+def _all_floating(seq: Iterable[Any]) -> bool:
     for t in seq:
         if not isinstance(t, Tensor) or t.dtype not in FLOATING:
             return False
     return True
 
 
-def _cast_sequence(seq, dtype, cast):
+def _cast_sequence(seq: list[Tensor] | tuple[Tensor, ...], dtype: torch.dtype,
+                   cast: Caster) -> list[Tensor] | tuple[Tensor, ...]:
     if all(t.dtype is dtype for t in seq):
         return seq
     return type(seq)(t if t.dtype is dtype else cast(t, dtype) for t in seq)
 
 
-def cast_args(args, kwargs, dtype, cast):
+def cast_args(args: Sequence[Any], kwargs: dict[str, Any], dtype: torch.dtype,
+              cast: Caster) -> tuple[Any, dict[str, Any]]:
     """Cast every floating tensor (or all-floating list/tuple) argument to ``dtype``.
 
     ``cast(tensor, dtype)`` performs one cast. Returns ``(args, kwargs)``; ``args`` is the input
-    tuple itself when nothing changed, and ``kwargs`` (the wrapper's own dict) is updated in place.
+    sequence itself when nothing changed, else a list (so typed ``Any``: callers rebind their
+    ``*args`` tuple to it), and ``kwargs`` (the wrapper's own dict) is updated in place.
     """
     # The tensor test is inlined rather than shared with the kwargs loop: this loop runs for
     # every patched call and a helper call per argument is most of its cost.
@@ -67,11 +79,11 @@ def cast_args(args, kwargs, dtype, cast):
     return (args if out is None else out), kwargs
 
 
-def _promote(found, d):
+def _promote(found: torch.dtype | None, d: torch.dtype) -> torch.dtype:
     return d if found is None or found is d else torch.promote_types(found, d)
 
 
-def widest_type(values):
+def widest_type(values: Iterable[Any]) -> torch.dtype | None:
     """The promoted dtype of the floating tensors among ``values``, or None when they all agree.
 
     Any mix is promoted with torch's rules ({half, float} -> float, {float, double} -> double,
@@ -93,7 +105,7 @@ def widest_type(values):
     return found if mixed else None
 
 
-def no_floating_scalar(values):
+def no_floating_scalar(values: Iterable[Any]) -> bool:
     """True when no floating tensor among ``values`` is 0-dim (see lists.NATIVE_PROMOTE)."""
     for a in values:
         if isinstance(a, Tensor) and a.dim() == 0 and a.dtype in FLOATING:
@@ -101,7 +113,7 @@ def no_floating_scalar(values):
     return True
 
 
-def any_low_precision(args, kwargs):
+def any_low_precision(args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
     """True when any floating tensor argument (or list element) is fp16 or bf16."""
     for a in (*args, *kwargs.values()) if kwargs else args:
         if isinstance(a, Tensor):
@@ -113,7 +125,8 @@ def any_low_precision(args, kwargs):
     return False
 
 
-def cast_tensor(t, dtype, name, verbose=False, cache=None):
+def cast_tensor(t: Tensor, dtype: torch.dtype, name: str, verbose: bool = False,
+                cache: CastCache | None = None) -> Tensor:
     """Cast ``t`` to ``dtype`` for the wrapper of function ``name``.
 
     With a ``cache`` dict (the handle's), fp32 Parameters cast to fp16/bf16 are cast once and the
@@ -145,15 +158,15 @@ def cast_tensor(t, dtype, name, verbose=False, cache=None):
     return copy
 
 
-def _plain_cast(t, dtype, name, verbose):
+def _plain_cast(t: Tensor, dtype: torch.dtype, name: str, verbose: bool) -> Tensor:
     if verbose:
         logger.info("%s->%s (%s)", TYPE_NAMES.get(t.dtype, t.dtype), TYPE_NAMES.get(dtype, dtype),
                     name)
     return t.to(dtype)
 
 
-def make_caster(name, verbose=False, cache=None):
+def make_caster(name: str, verbose: bool = False, cache: CastCache | None = None) -> Caster:
     """Return ``cast(tensor, dtype)``: ``cast_tensor`` bound to ``name``, ``verbose``, ``cache``."""
-    def cast(t, dtype):
+    def cast(t: Tensor, dtype: torch.dtype) -> Tensor:
         return cast_tensor(t, dtype, name, verbose, cache)
     return cast

@@ -10,15 +10,20 @@ Differences from Apex, on purpose: ``_deactivate`` restores every patched attrib
 a no-op without a handle; a ``register_*_function`` call takes effect at once on the installed
 patches.
 """
+from __future__ import annotations
+
 import contextlib
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, NoReturn
 
 import torch
+from torch import nn
 
 from .._amp_state import _amp_state
 from .._amp_state import logger
 from . import lists, policy, rnn
-from .registry import consume_registry
-from .wrap import (make_banned_wrapper, make_cast_wrapper, make_error_if_any_low_precision,
+from ._cast import CastCache
+from .registry import Registration, consume_registry
+from .wrap import (Function, make_banned_wrapper, make_cast_wrapper, make_error_if_any_low_precision,
                    make_error_if_self_low_precision, make_match_self_wrapper,
                    make_promote_wrapper, make_sequence_promote_wrapper)
 
@@ -29,6 +34,9 @@ _OLD_API_ERROR = (
     "supported. Use `model, optimizer = amp.initialize(model, optimizer, opt_level=\"O1\")` and "
     "`with amp.scale_loss(loss, optimizer) as scaled_loss: scaled_loss.backward()`.")
 _MISSING = object()
+
+if TYPE_CHECKING:
+    from ..frontend import Properties
 
 
 class AmpHandle:
@@ -43,30 +51,32 @@ class AmpHandle:
     and starts with an empty cache and no patches.
     """
 
-    def __init__(self, loss_scale="dynamic", enable_caching=True, verbose=False,
-                 allow_banned=False, patch_type=torch.float16):
+    def __init__(self, loss_scale: float | str = "dynamic", enable_caching: bool = True,
+                 verbose: bool = False, allow_banned: bool = False,
+                 patch_type: torch.dtype = torch.float16) -> None:
         self.loss_scale = loss_scale
         self._enable_caching = enable_caching
         self._verbose = verbose
         self.allow_banned = allow_banned
         self.patch_type = patch_type
-        self._cache = {}
+        self._cache: CastCache = {}
         self._is_active = True
-        self._all_wrappers = []
+        # (owner, name, the entry it had before, or _MISSING), in patching order.
+        self._all_wrappers: list[tuple[Any, str, Any]] = []
         # The user registrations the installed patches carry, in installation order.
-        self._registered = []
+        self._registered: list[Registration] = []
 
-    def __deepcopy__(self, memo):
+    def __deepcopy__(self, memo: dict[int, Any]) -> AmpHandle:
         return self
 
-    def __getstate__(self):
+    def __getstate__(self) -> dict[str, Any]:
         return {**vars(self), "_cache": {}, "_all_wrappers": [], "_registered": []}
 
-    def is_active(self):
+    def is_active(self) -> bool:
         return self._is_active
 
     @contextlib.contextmanager
-    def _disable_casts(self):
+    def _disable_casts(self) -> Iterator[None]:
         previous = self._is_active
         self._is_active = False
         try:
@@ -74,24 +84,24 @@ class AmpHandle:
         finally:
             self._is_active = previous
 
-    def wrap_optimizer(self, optimizer, num_loss=1):
+    def wrap_optimizer(self, optimizer: Any, num_loss: int = 1) -> NoReturn:
         raise RuntimeError(_OLD_API_ERROR)
 
-    def scale_loss(self, loss, optimizer):
+    def scale_loss(self, loss: Any, optimizer: Any) -> NoReturn:
         raise RuntimeError(_OLD_API_ERROR)
 
-    def _clear_cache(self):
+    def _clear_cache(self) -> None:
         self._cache.clear()
 
-    def remove_cache(self, param):
+    def remove_cache(self, param: nn.Parameter) -> None:
         self._cache.pop(param, None)
 
-    def _save_func(self, owner, name, new):
+    def _save_func(self, owner: Any, name: str, new: Any) -> None:
         """Install ``new`` as ``owner.name``, remembering the exact previous entry."""
         self._all_wrappers.append((owner, name, vars(owner).get(name, _MISSING)))
         setattr(owner, name, new)
 
-    def _uninstall(self):
+    def _uninstall(self) -> None:
         """Restore every patched attribute to the object it was before the patches."""
         # Reverse order, so a name patched twice ends up on the original, not the first wrapper.
         for owner, name, previous in reversed(self._all_wrappers):
@@ -101,12 +111,12 @@ class AmpHandle:
                 setattr(owner, name, previous)
         self._all_wrappers = []
 
-    def _apply_registrations(self):
+    def _apply_registrations(self) -> None:
         """Reinstall the patches with the pending user registrations (innermost, as at ``init``)."""
         if self._all_wrappers:
             _reinstall(self, self._registered + consume_registry())
 
-    def _deactivate(self):
+    def _deactivate(self) -> None:
         """Restore every patched attribute and turn this run's casts off."""
         self._uninstall()
         self._registered = []
@@ -116,68 +126,69 @@ class AmpHandle:
             policy.set_outside(None)
 
     @property
-    def has_cache(self):
+    def has_cache(self) -> bool:
         return self._enable_caching
 
     @property
-    def cache(self):
+    def cache(self) -> CastCache:
         return self._cache
 
     @property
-    def verbose(self):
+    def verbose(self) -> bool:
         return self._verbose
 
 
 class NoOpHandle:
     """The handle of ``init(enabled=False)``: nothing is patched or cast."""
 
-    def is_active(self):
+    def is_active(self) -> bool:
         return False
 
     @contextlib.contextmanager
-    def _disable_casts(self):
+    def _disable_casts(self) -> Iterator[None]:
         yield
 
-    def wrap_optimizer(self, optimizer, num_loss=1):
+    def wrap_optimizer(self, optimizer: Any, num_loss: int = 1) -> NoReturn:
         raise RuntimeError(_OLD_API_ERROR)
 
     @contextlib.contextmanager
-    def scale_loss(self, loss, optimizer):
+    def scale_loss(self, loss: torch.Tensor, optimizer: Any) -> Iterator[torch.Tensor]:
         yield loss
 
     @property
-    def has_cache(self):
+    def has_cache(self) -> bool:
         return False
 
     @property
-    def verbose(self):
+    def verbose(self) -> bool:
         return False
 
-    def _clear_cache(self):
+    def _clear_cache(self) -> None:
         pass
 
-    def _deactivate(self):
+    def _deactivate(self) -> None:
         pass
 
-    def _apply_registrations(self):
+    def _apply_registrations(self) -> None:
         pass
 
 
-def _wrap(handle, module, names, make, *extra):
+def _wrap(handle: AmpHandle, module: Any, names: Iterable[str], make: Callable[..., Function],
+          *extra: Any) -> None:
     for name in names:
         handle._save_func(module, name, make(getattr(module, name), name, *extra))
 
 
-def _inplace(module, names):
+def _inplace(module: Any, names: Iterable[str]) -> list[str]:
     return [n + "_" for n in names if hasattr(module, n + "_")]
 
 
-def _install(handle, registered):
+def _install(handle: AmpHandle, registered: Iterable[Registration]) -> None:
     # The fp16 lists, a superset of the bf16 ones: every wrapper reads the current policy, so
     # one installation serves O1 and O4 runs alike.
     # User registrations first, so they end up innermost and override the lists below; the
     # latest registration of a name replaces the earlier ones.
-    latest = {}
+    latest: dict[tuple[object, str], torch.dtype | None] = {}
     for module, name, dtype in registered:
         latest.pop((module, name), None)
         latest[module, name] = dtype
@@ -209,7 +220,7 @@ def _install(handle, registered):
         _wrap(handle, functional.module, [name], make_banned_wrapper, message)
 
 
-def _reinstall(handle, registered):
+def _reinstall(handle: AmpHandle, registered: Iterable[Registration]) -> None:
     """Replace the installed patches (if any) by ``handle``'s, carrying ``registered``."""
     previous = _amp_state.handle
     if isinstance(previous, AmpHandle):
@@ -221,13 +232,14 @@ def _reinstall(handle, registered):
         raise
 
 
-def _describe(run):
+def _describe(run: policy.Policy | None) -> str:
     dtype = policy.casts_to(run)
     return "no O1/O4 casts" if dtype is None else f"O1/O4 casts to {dtype}"
 
 
-def init(enabled=True, loss_scale="dynamic", enable_caching=True, verbose=False,
-         allow_banned=False, patch_type=torch.float16):
+def init(enabled: bool = True, loss_scale: float | str = "dynamic", enable_caching: bool = True,
+         verbose: bool = False, allow_banned: bool = False,
+         patch_type: torch.dtype = torch.float16) -> AmpHandle | NoOpHandle:
     """Patch torch, torch.Tensor and torch.nn.functional so listed functions run in
     ``patch_type`` (fp16 for O1, bf16 for O4) or fp32, and return the handle.
 
@@ -238,23 +250,35 @@ def init(enabled=True, loss_scale="dynamic", enable_caching=True, verbose=False,
     (``F.binary_cross_entropy``) in fp32 instead of raising; ``verbose`` prints every inserted
     cast.
     """
-    if patch_type not in (torch.float16, torch.bfloat16):
+    patch_type = _checked_patch_type(patch_type)
+    if enabled:
+        return _activate(AmpHandle(loss_scale, enable_caching, verbose, allow_banned, patch_type))
+    deactivate()
+    disabled = NoOpHandle()
+    _amp_state.handle = disabled
+    policy.set_outside(None)
+    return disabled
+
+
+def _checked_patch_type(patch_type: torch.dtype | None) -> torch.dtype:
+    if patch_type is None or patch_type not in (torch.float16, torch.bfloat16):
         raise ValueError(f"patch_type must be torch.float16 (O1) or torch.bfloat16 (O4), "
                          f"got {patch_type}.")
-    if not enabled:
-        deactivate()
-        handle = NoOpHandle()
-    else:
-        handle = AmpHandle(loss_scale, enable_caching, verbose, allow_banned, patch_type)
-        previous = _amp_state.handle
-        carried = previous._registered if isinstance(previous, AmpHandle) else []
-        _reinstall(handle, carried + consume_registry())
+    return patch_type
+
+
+def _activate(handle: AmpHandle) -> AmpHandle:
+    """``init``'s enabled half: install ``handle``'s patches, taking over the installed ones."""
+    previous = _amp_state.handle
+    carried = previous._registered if isinstance(previous, AmpHandle) else []
+    _reinstall(handle, carried + consume_registry())
     _amp_state.handle = handle
-    policy.set_outside(handle if enabled else None)
+    policy.set_outside(handle)
     return handle
 
 
-def use_run_policy(properties, verbose, earlier_level):
+def use_run_policy(properties: Properties, verbose: bool,
+                   earlier_level: str | None) -> AmpHandle | None:
     """Install the casting policy of an ``initialize`` call; return it (None: no casts).
 
     It becomes the policy outside every amp model's forward. When that changes what code there
@@ -263,9 +287,11 @@ def use_run_policy(properties, verbose, earlier_level):
     (a loss computed outside the model, evaluation code) now follows this one.
     """
     before = policy.outside()
+    handle: AmpHandle | None
     if properties.patch_torch_functions:
-        handle = init(loss_scale=properties.loss_scale, verbose=verbose,
-                      patch_type=properties.patch_torch_functions_type)
+        # What init(loss_scale=..., verbose=..., patch_type=...) does, typed as the AmpHandle it makes.
+        patch_type = _checked_patch_type(properties.patch_torch_functions_type)
+        handle = _activate(AmpHandle(properties.loss_scale, verbose=verbose, patch_type=patch_type))
     else:
         handle = None
         policy.set_outside(None)
@@ -278,7 +304,7 @@ def use_run_policy(properties, verbose, earlier_level):
     return handle
 
 
-def deactivate():
+def deactivate() -> None:
     """Remove every O1/O4 patch: the patched torch functions are their original objects again.
 
     A no-op when nothing is patched. Optimizers of earlier ``initialize`` calls keep working,
@@ -292,7 +318,7 @@ def deactivate():
 
 
 @contextlib.contextmanager
-def disable_casts():
+def disable_casts() -> Iterator[None]:
     """Run the block without amp casts, inside amp models' forwards too (exception safe; a
     no-op when no casts apply)."""
     previous = policy.disabled()

@@ -11,6 +11,11 @@ built. Every CUDA version PyTorch 2.x supports is past 9.1, the CPU and ROCm ker
 and bf16, and ``torch.autocast`` lists the bmm family as low precision on every backend; so we
 do too, and a model behaves the same on a CPU build and a CUDA build.
 """
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Iterable, Mapping
+
 import torch
 
 __all__ = [
@@ -95,8 +100,9 @@ RNN_CELLS = ("rnn_tanh_cell", "rnn_relu_cell", "lstm_cell", "gru_cell")
 class Overrides:
     """The lists resolved against one module: what to patch there and how."""
 
-    def __init__(self, module, low_precision, fp32, promote=(), sequence_promote=(),
-                 banned=None):
+    def __init__(self, module: ModuleType | type, low_precision: Iterable[str], fp32: Iterable[str],
+                 promote: Iterable[str] = (), sequence_promote: Iterable[str] = (),
+                 banned: Mapping[str, str] | None = None) -> None:
         self.module = module
         self.low_precision = _present(module, low_precision)
         self.fp32 = _present(module, fp32)
@@ -105,17 +111,17 @@ class Overrides:
         self.banned = {n: m for n, m in (banned or {}).items() if hasattr(module, n)}
 
 
-def _present(module, names):
+def _present(module: ModuleType | type, names: Iterable[str]) -> tuple[str, ...]:
     # Order-preserving and duplicate-free, so each name is wrapped exactly once per list.
     return tuple(dict.fromkeys(n for n in names if hasattr(module, n)))
 
 
-def overrides(patch_type):
+def overrides(patch_type: torch.dtype) -> tuple[Overrides, Overrides, Overrides]:
     """The resolved lists for ``torch.nn.functional``, ``torch`` and ``torch.Tensor``.
 
     ``patch_type`` (torch.float16 or torch.bfloat16) picks the low-precision list.
     """
-    torch_low = TORCH_LOW_PRECISION
+    torch_low: tuple[str, ...] = TORCH_LOW_PRECISION
     if patch_type is torch.bfloat16:
         torch_low = tuple(n for n in torch_low if n not in TORCH_BF16_EXCLUDED)
     functional = torch.nn.functional

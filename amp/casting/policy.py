@@ -15,37 +15,49 @@ traced by torch.compile. So a model whose forward starts while another thread is
 forward of a model that casts differently raises instead of computing at the wrong level; models
 that cast alike may run forward in several threads at once.
 """
+from __future__ import annotations
+
 import functools
 import threading
+from typing import TYPE_CHECKING, Any, Literal, Union
+
+import torch
+from torch import nn
 
 from .._compat import is_compiling
+
+if TYPE_CHECKING:
+    from .handle import AmpHandle
 
 __all__ = ["current", "DISABLED", "set_outside", "outside", "casts_to", "track", "disabled",
            "restore"]
 
-current = None
+current: Policy | None = None
 # The policies that enclosing forwards (and the outside) will get back, innermost last.
-_outer = []
+_outer: list[Policy | None] = []
 # The thread that entered the outermost running amp forward.
-_owner = None
+_owner: int | None = None
 # Open disable_casts blocks (of any thread), and the policy the last one to close restores.
 _disabled_depth = 0
-_policy_before_disabled = None
+_policy_before_disabled: Policy | None = None
 _disabled_lock = threading.Lock()
 
 
 class _Disabled:
     """The policy inside ``amp.disable_casts()``: nothing is cast, but fp16/bf16 arguments to
     in-place fp32 functions and banned functions are still refused, as under an active run."""
-    _is_active = False
+    # Never active (Literal, so that an active policy is known to be an AmpHandle).
+    _is_active: Literal[False] = False
     patch_type = None
     allow_banned = False
 
 
 DISABLED = _Disabled()
+# What ``current`` holds besides None (no casts): a run's handle, or DISABLED.
+Policy = Union["AmpHandle", _Disabled]
 
 
-def set_outside(policy):
+def set_outside(policy: Policy | None) -> None:
     """Make ``policy`` the one that applies outside every amp model's forward."""
     global current
     if _outer:
@@ -54,16 +66,16 @@ def set_outside(policy):
         current = policy
 
 
-def outside():
+def outside() -> Policy | None:
     return _outer[0] if _outer else current
 
 
-def casts_to(policy):
+def casts_to(policy: Policy | None) -> torch.dtype | None:
     """What ``policy`` casts to (None: nothing)."""
     return policy.patch_type if policy is not None and policy._is_active else None
 
 
-def _enter_forward(policy, module, args):
+def _enter_forward(policy: Policy | None, module: nn.Module, args: tuple[Any, ...]) -> None:
     global current, _owner
     # Saved first: the forward hook restores it even when this hook raises.
     _outer.append(current)
@@ -81,18 +93,18 @@ def _enter_forward(policy, module, args):
     current = DISABLED if policy is not None and current is DISABLED else policy
 
 
-def _exit_forward(module, args, output):
+def _exit_forward(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
     global current
     current = _outer.pop()
 
 
-def track(model, policy):
+def track(model: nn.Module, policy: Policy | None) -> None:
     """Run ``model``'s forward (its forward hooks included) under ``policy``."""
     model.register_forward_pre_hook(functools.partial(_enter_forward, policy), prepend=True)
     model.register_forward_hook(_exit_forward, always_call=True)
 
 
-def disabled():
+def disabled() -> Policy | None:
     """Enter ``disable_casts``: return what to restore with ``restore``.
 
     Blocks may overlap across threads (two threads' ``optimizer.step()``, each run with casts
@@ -109,7 +121,7 @@ def disabled():
     return _policy_before_disabled
 
 
-def restore(previous):
+def restore(previous: Policy | None) -> None:
     """Leave a ``disable_casts`` block entered with ``disabled``."""
     global current, _disabled_depth
     with _disabled_lock:

@@ -5,7 +5,11 @@
 whose other attributes forward to the real ``torch._VF``; ``torch._VF`` itself is never touched.
 The handle records the replacement, so ``_deactivate`` puts the real module back.
 """
+from __future__ import annotations
+
 import functools
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -13,20 +17,23 @@ from torch import Tensor
 from .._compat import rnn_module
 from . import lists, policy
 from ._cast import FLOATING, cast_args
-from .wrap import make_cast_wrapper, make_policy_caster
+from .wrap import Function, make_cast_wrapper, make_policy_caster
+
+if TYPE_CHECKING:
+    from .handle import AmpHandle
 
 
 class _VFShim:
     """Stands in for ``torch._VF`` inside ``torch.nn.modules.rnn``."""
 
-    def __init__(self, vf):
+    def __init__(self, vf: ModuleType) -> None:
         self._vf = vf
 
-    def __getattr__(self, name):
+    def __getattr__(self, name: str) -> Any:
         return getattr(self._vf, name)
 
 
-def _flat_cast(weights, dtype):
+def _flat_cast(weights: list[Tensor], dtype: torch.dtype) -> list[Tensor]:
     """Cast an RNN's weight list into views of one new buffer of ``dtype``.
 
     cuDNN wants all weights in one contiguous buffer in its own layout; when the fp32 weights
@@ -55,11 +62,11 @@ def _flat_cast(weights, dtype):
     return views
 
 
-def _make_rnn_wrapper(orig, name):
+def _make_rnn_wrapper(orig: Function, name: str) -> Function:
     cast = make_policy_caster(name)
 
     @functools.wraps(orig)
-    def wrapper(*args, **kwargs):
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
         run = policy.current
         if run is None or not run._is_active:
             return orig(*args, **kwargs)
@@ -68,22 +75,23 @@ def _make_rnn_wrapper(orig, name):
         # batch_sizes is the only integer tensor in either signature.
         packed = isinstance(args[1], Tensor) and args[1].dtype not in FLOATING
         w = 3 if packed else 2
-        args = list(args)
-        weights = _flat_cast(args[w], dtype)
-        args[w] = []  # keep the weight list out of the generic cast below
-        args, kwargs = cast_args(args, kwargs, dtype, cast)
-        args[w] = weights
-        return orig(*args, **kwargs)
+        call_args = list(args)
+        weights = _flat_cast(call_args[w], dtype)
+        call_args[w] = []  # keep the weight list out of the generic cast below
+        call_args, kwargs = cast_args(call_args, kwargs, dtype, cast)
+        call_args[w] = weights
+        return orig(*call_args, **kwargs)
     return wrapper
 
 
-def _make_check_input_wrapper(orig):
+def _make_check_input_wrapper(orig: Function) -> Function:
     # RNNBase.check_input rejects an input whose dtype differs from the weights' unless
     # torch.autocast is on. Under amp the kernels get matching dtypes anyway, so the check is
     # run on a shape-only stand-in that carries the weights' dtype.
     @functools.wraps(orig)
-    def check_input(self, input, batch_sizes):
-        weight_dtype = self._flat_weights[0].dtype
+    def check_input(self: torch.nn.RNNBase, input: Tensor, batch_sizes: Tensor | None) -> Any:
+        # torch types the flat weights Optional; the first (weight_ih_l0) always exists.
+        weight_dtype = self._flat_weights[0].dtype  # type: ignore[union-attr]
         run = policy.current
         active = run is not None and run._is_active
         if active and input.dtype is not weight_dtype and input.dtype in FLOATING:
@@ -92,7 +100,7 @@ def _make_check_input_wrapper(orig):
     return check_input
 
 
-def install(handle):
+def install(handle: AmpHandle) -> None:
     """Patch the RNN entry points of ``torch.nn.modules.rnn``; ``handle`` records the patches."""
     rnn = rnn_module()
     shim = _VFShim(rnn._VF)

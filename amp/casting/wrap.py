@@ -4,28 +4,40 @@ Every wrapper keeps the original's name and docstring (``functools.wraps``) and 
 current policy (``policy.current``) on each call, so the model whose forward is running, and
 ``disable_casts``, decide what it does.
 """
+from __future__ import annotations
+
 import functools
+from typing import TYPE_CHECKING, Any, Callable, cast as typing_cast
 
 import torch
+from torch import Tensor
 
 from . import policy
-from ._cast import (FLOATING, LOW_PRECISION, any_low_precision, cast_args, cast_tensor,
+from ._cast import (FLOATING, LOW_PRECISION, Caster, any_low_precision, cast_args, cast_tensor,
                     no_floating_scalar, widest_type)
 
+if TYPE_CHECKING:
+    from .handle import AmpHandle
 
-def make_policy_caster(name, try_caching=False):
+#: A patched function, or its replacement.
+Function = Callable[..., Any]
+
+
+def make_policy_caster(name: str, try_caching: bool = False) -> Caster:
     """``cast(tensor, dtype)`` with the verbosity and weight-cast cache of the current policy.
 
     Looked up at cast time, not per call: a call that needs no cast pays nothing for it.
     """
-    def cast(t, dtype):
-        run = policy.current
+    def cast(t: Tensor, dtype: torch.dtype) -> Tensor:
+        # Only a wrapper that found an active policy casts, and only an AmpHandle is ever active.
+        run = typing_cast("AmpHandle", policy.current)
         cache = run.cache if try_caching and run.has_cache else None
         return cast_tensor(t, dtype, name, run.verbose, cache)
     return cast
 
 
-def make_cast_wrapper(orig, name, dtype, try_caching, only=None):
+def make_cast_wrapper(orig: Function, name: str, dtype: torch.dtype | None, try_caching: bool,
+                      only: torch.dtype | None = None) -> Function:
     """Run ``orig`` with its floating arguments cast to ``dtype`` (None: the policy's patch type).
 
     ``only``: cast only under a policy of this patch type (a name on one low-precision list).
@@ -33,7 +45,7 @@ def make_cast_wrapper(orig, name, dtype, try_caching, only=None):
     cast = make_policy_caster(name, try_caching)
 
     @functools.wraps(orig)
-    def wrapper(*args, **kwargs):
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
         run = policy.current
         if run is None or not run._is_active or (only is not None and run.patch_type is not only):
             return orig(*args, **kwargs)
@@ -42,7 +54,7 @@ def make_cast_wrapper(orig, name, dtype, try_caching, only=None):
     return wrapper
 
 
-def make_promote_wrapper(orig, name, native=False):
+def make_promote_wrapper(orig: Function, name: str, native: bool = False) -> Function:
     """Run ``orig`` with its floating arguments cast to the widest floating type among them.
 
     ``native``: ``orig`` promotes by itself unless an operand is a 0-dim floating tensor
@@ -55,7 +67,7 @@ def make_promote_wrapper(orig, name, native=False):
     cast = make_policy_caster(name)
 
     @functools.wraps(orig)
-    def wrapper(*args, **kwargs):
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
         run = policy.current
         if run is not None and run._is_active:
             values = (*args, *kwargs.values()) if kwargs else args
@@ -67,12 +79,12 @@ def make_promote_wrapper(orig, name, native=False):
     return wrapper
 
 
-def make_sequence_promote_wrapper(orig, name):
+def make_sequence_promote_wrapper(orig: Function, name: str) -> Function:
     """For ``cat``/``stack``: cast the tensors of the first argument to their widest type."""
     cast = make_policy_caster(name)
 
     @functools.wraps(orig)
-    def wrapper(seq, *args, **kwargs):
+    def wrapper(seq: Any, *args: Any, **kwargs: Any) -> Any:
         run = policy.current
         if run is not None and run._is_active:
             dtype = widest_type(seq)
@@ -82,12 +94,12 @@ def make_sequence_promote_wrapper(orig, name):
     return wrapper
 
 
-def make_match_self_wrapper(orig, name):
+def make_match_self_wrapper(orig: Function, name: str) -> Function:
     """In-place methods (``x.add_(y)``): cast the other arguments to x's dtype, so x keeps it."""
     cast = make_policy_caster(name)
 
     @functools.wraps(orig)
-    def wrapper(self, *args, **kwargs):
+    def wrapper(self: Tensor, *args: Any, **kwargs: Any) -> Any:
         run = policy.current
         if run is not None and run._is_active and self.dtype in FLOATING:
             args, kwargs = cast_args(args, kwargs, self.dtype, cast)
@@ -95,7 +107,7 @@ def make_match_self_wrapper(orig, name):
     return wrapper
 
 
-def make_error_if_any_low_precision(orig, name, message=None):
+def make_error_if_any_low_precision(orig: Function, name: str, message: str | None = None) -> Function:
     """Refuse fp16/bf16 arguments: for in-place fp32-only functions and banned functions.
 
     Like Apex, this refuses inside ``disable_casts`` too: the function is unsafe in low precision
@@ -105,21 +117,21 @@ def make_error_if_any_low_precision(orig, name, message=None):
     message = message or f"Cannot call in-place function {name} with fp16 or bf16 arguments."
 
     @functools.wraps(orig)
-    def wrapper(*args, **kwargs):
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
         if policy.current is not None and any_low_precision(args, kwargs):
             raise NotImplementedError(message)
         return orig(*args, **kwargs)
     return wrapper
 
 
-def make_banned_wrapper(orig, name, message):
+def make_banned_wrapper(orig: Function, name: str, message: str) -> Function:
     """A banned function: refused with fp16/bf16 arguments, or run in fp32 under a policy made
     with ``allow_banned``."""
     refuse = make_error_if_any_low_precision(orig, name, message)
     cast = make_policy_caster(name)
 
     @functools.wraps(orig)
-    def wrapper(*args, **kwargs):
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
         run = policy.current
         if run is None or not run.allow_banned:
             return refuse(*args, **kwargs)
@@ -129,12 +141,12 @@ def make_banned_wrapper(orig, name, message):
     return wrapper
 
 
-def make_error_if_self_low_precision(orig, name):
+def make_error_if_self_low_precision(orig: Function, name: str) -> Function:
     """In-place fp32-only methods (``x.exp_()``): refuse an fp16/bf16 ``x``; else match x."""
     cast = make_policy_caster(name)
 
     @functools.wraps(orig)
-    def wrapper(self, *args, **kwargs):
+    def wrapper(self: Tensor, *args: Any, **kwargs: Any) -> Any:
         run = policy.current
         if run is None:
             return orig(self, *args, **kwargs)

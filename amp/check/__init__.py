@@ -66,10 +66,11 @@ def _devices(names: Optional[Sequence[str]]) -> List[torch.device]:
             if not torch.cuda.is_available():
                 raise ValueError(f"--device {name}: PyTorch sees no CUDA device "
                                  f"(torch {torch.__version__}, CUDA {torch.version.cuda})")
-            if device.index is None:
+            index: Optional[int] = device.index  # None for "cuda" (torch's stubs say int)
+            if index is None:
                 devices += [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
                 continue
-            if device.index >= torch.cuda.device_count():
+            if index >= torch.cuda.device_count():
                 count = torch.cuda.device_count()
                 raise ValueError(f"--device {name}: only {count} CUDA devices are visible")
         elif device.type != "cpu":

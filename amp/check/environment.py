@@ -20,7 +20,7 @@ import amp
 from amp import _torch_ops
 from amp import multi_tensor_apply as mta
 
-__all__ = ["OPS", "collect", "describe", "covers", "visible_devices"]
+__all__ = ["OPS", "collect", "describe", "visible_devices"]
 
 # Every op amp_C exports, in the order the README lists them.
 OPS: List[str] = list(_torch_ops.__all__)
@@ -117,46 +117,21 @@ def _cpu(built: bool, info: Dict[str, Any]) -> Dict[str, Any]:
     }
 
 
-def _image_covers(image: str, major: int, minor: int) -> bool:
-    match = re.fullmatch(r"(sm|compute)_(\d+)(\d)([af]?)", image)
-    if match is None:
-        return False
-    kind, suffix = match.group(1), match.group(4)
-    img_major, img_minor = int(match.group(2)), int(match.group(3))
-    if suffix == "a":  # architecture-specific code runs on exactly that GPU
-        return (major, minor) == (img_major, img_minor)
-    if kind == "sm" or suffix == "f":  # SASS runs on later minors of the same major
-        return major == img_major and minor >= img_minor
-    return (major, minor) >= (img_major, img_minor)  # PTX is JIT-compiled for any later GPU
-
-
-def covers(images: Optional[Sequence[str]], capability: Sequence[int]) -> Optional[bool]:
-    """Whether code compiled to ``images`` (``sm_90``, ``compute_80``...) runs on a GPU of
-    ``capability`` (major, minor); None when the images are unknown."""
-    if images is None:
-        return None
-    return any(_image_covers(image, capability[0], capability[1]) for image in images)
-
-
 def _device(device: torch.device, ext: Dict[str, Any], cpu_name: str) -> Dict[str, Any]:
     entry: Dict[str, Any] = {"device": str(device), "name": cpu_name, "capability": None,
                              "amp_C_covers": None, "ops": []}
-    note = ""
     if device.type == "cuda":
         capability = torch.cuda.get_device_capability(device)
         entry["name"] = torch.cuda.get_device_name(device)
         entry["capability"] = f"{capability[0]}.{capability[1]}"
         if ext["built"] and ext["cuda_kernels"]:
-            entry["amp_C_covers"] = covers(ext["cuda_images"], capability)
+            entry["amp_C_covers"] = mta.covers(ext["cuda_images"], capability)
         elif ext["built"] and ext["cuda_kernels"] is not None:
             entry["amp_C_covers"] = False
-        if entry["amp_C_covers"] is False:
-            arch = entry["capability"]
-            note = (f"; amp_C holds no code for sm_{arch.replace('.', '')} (rebuild with "
-                    f"TORCH_CUDA_ARCH_LIST={arch} AMP_CUDA_EXT=1)")
     for op in OPS:
+        # A GPU that amp_C holds no code for takes the PyTorch path, with the rebuild command as why.
         path, reason = mta.path_for(op, device)
-        entry["ops"].append({"op": op, "path": path, "reason": reason + (note if path == "amp_C" else "")})
+        entry["ops"].append({"op": op, "path": path, "reason": reason})
     return entry
 
 

@@ -120,8 +120,10 @@ def _amp_run(opt_level: str, make_optimizer: MakeOptimizer, device: torch.device
             with amp.scale_loss(loss, optimizer) as scaled_loss:
                 scaled_loss.backward()
                 if step == POISONED_STEP:
+                    grad = next(model.parameters()).grad
+                    assert grad is not None  # the backward just set it
                     with torch.no_grad():
-                        next(model.parameters()).grad.view(-1)[-1] = float("inf")
+                        grad.view(-1)[-1] = float("inf")
             optimizer.step()
             optimizer.zero_grad()
         return {

@@ -15,16 +15,27 @@ Two callers hand a step more than the parameters' ``.grad``:
   ``amp.master_params``' grads), reads the model param's low-precision grad, which carries
   ``most_recent_scale``, instead of an fp32 master grad.
 """
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Iterable, Optional, Sequence, Tuple, Union
+
 import torch
 
 from amp._fused_master_weights import FusedMasterWeights, inverse
+from amp.multi_tensor_apply import Scalar
 
 __all__ = ["FusedOptimizer"]
 
 _PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
+#: What ``torch.optim.Optimizer`` takes as ``params``: tensors, or param groups (dicts).
+Params = Union[Iterable[torch.Tensor], Iterable[Dict[str, Any]]]
+#: A bucket's key: (device, grad dtype, param dtype, model-copy dtype or None, reads the model grad).
+BucketKey = Tuple[torch.device, torch.dtype, torch.dtype, Optional[torch.dtype], bool]
 
-def check_real(name, value, low, high=float("inf"), high_open=False):
+
+def check_real(name: str, value: Any, low: float, high: float = float("inf"),
+               high_open: bool = False) -> None:
     """Raise ``ValueError`` unless ``value`` is a real number in ``[low, high]`` (``[low, high)``)."""
     ok = isinstance(value, (int, float)) and not isinstance(value, bool)
     ok = ok and low <= value and (value < high if high_open else value <= high)
@@ -38,10 +49,12 @@ class Bucket:
 
     __slots__ = ("params", "grads", "copies")
 
-    def __init__(self):
-        self.params, self.grads, self.copies = [], [], []
+    def __init__(self) -> None:
+        self.params: list[torch.Tensor] = []
+        self.grads: list[torch.Tensor] = []
+        self.copies: list[torch.Tensor] = []
 
-    def part(self, indices):
+    def part(self, indices: Sequence[int]) -> Bucket:
         """The bucket of the tensors at ``indices`` (this one if they are all of them)."""
         if len(indices) == len(self.params):
             return self
@@ -60,21 +73,22 @@ class FusedOptimizer(torch.optim.Optimizer):
     # The controller amp.initialize gives these optimizers under master weights (O2/O5).
     _amp_master_weights_controller = FusedMasterWeights
 
-    def __init__(self, params, defaults, materialize_master_grads, set_grad_none):
+    def __init__(self, params: Params, defaults: dict[str, Any], materialize_master_grads: bool,
+                 set_grad_none: bool) -> None:
         super().__init__(params, defaults)
-        self._noop_flags = {}
+        self._noop_flags: dict[torch.device, torch.Tensor] = {}
         self.materialize_master_grads = bool(materialize_master_grads)
         self.set_grad_none = bool(set_grad_none)
         # Apex's fields, written by amp (O2/O5, materialize_master_grads=False): the scale that the
         # model's low-precision grads carry, and whether a backward set it since the last step.
-        self.most_recent_scale = 1.0
+        self.most_recent_scale: Scalar = 1.0
         self.scale_set_by_backward = False
 
-    def zero_grad(self, set_to_none=None):
+    def zero_grad(self, set_to_none: bool | None = None) -> None:
         """Clear the gradients; ``set_to_none`` defaults to the ``set_grad_none`` given at construction."""
         super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None else set_to_none)
 
-    def add_param_group(self, param_group):
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
         """As torch's, refusing parameters of a dtype the kernels do not step."""
         params = param_group["params"] if isinstance(param_group, dict) else None
         params = [params] if isinstance(params, torch.Tensor) else params
@@ -87,12 +101,12 @@ class FusedOptimizer(torch.optim.Optimizer):
                         "torch.optim optimizer for it, in a second optimizer.")
         super().add_param_group(param_group)
 
-    def __setstate__(self, state):
+    def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self._noop_flags = {}
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Perform one optimization step; ``closure`` re-evaluates the model and returns the loss."""
         loss = None
         if closure is not None:
@@ -114,9 +128,15 @@ class FusedOptimizer(torch.optim.Optimizer):
                 self._step_group(group, buckets, found_inf, inv_scale, model_inv_scale)
         return loss
 
-    def _buckets(self, group, copies, from_model):
+    def _step_group(self, group: dict[str, Any], buckets: dict[BucketKey, Bucket],
+                    found_inf: torch.Tensor | None, inv_scale: Scalar, model_inv_scale: Scalar) -> None:
+        """One op call per bucket of ``group`` (what the subclass's optimizer does)."""
+        raise NotImplementedError
+
+    def _buckets(self, group: dict[str, Any], copies: dict[torch.Tensor, torch.Tensor],
+                 from_model: bool) -> dict[BucketKey, Bucket]:
         """``{(device, grad dtype, param dtype, copy dtype or None, reads the model grad): Bucket}``."""
-        buckets = {}
+        buckets: dict[BucketKey, Bucket] = {}
         for param in group["params"]:
             copy = copies.get(param)
             grad = copy.grad if from_model and copy is not None else param.grad
@@ -139,7 +159,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 bucket.copies.append(copy)
         return buckets
 
-    def _noop_flag(self, device, found_inf):
+    def _noop_flag(self, device: torch.device, found_inf: torch.Tensor | None) -> torch.Tensor:
         """The op's skip flag on ``device``: ``found_inf`` itself, else a zero kept per device."""
         if found_inf is not None:
             return found_inf.detach().reshape(1).to(device=device, dtype=torch.float32)

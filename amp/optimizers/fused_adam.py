@@ -1,14 +1,18 @@
 """``FusedAdam``: Adam and AdamW in one ``multi_tensor_adam`` pass per kind of tensor (Apex's optimizer)."""
+from __future__ import annotations
+
+from typing import Any, NoReturn
+
 import torch
 
-from amp.multi_tensor_apply import multi_tensor_adam, multi_tensor_applier
+from amp.multi_tensor_apply import Scalar, multi_tensor_adam, multi_tensor_applier
 
-from ._fused import FusedOptimizer, check_real
+from ._fused import Bucket, BucketKey, FusedOptimizer, Params, check_real
 
 __all__ = ["FusedAdam"]
 
 
-def _refuse(option, advice):
+def _refuse(option: str, advice: str) -> NoReturn:
     raise ValueError(f"FusedAdam({option}) is not offered: {advice}")
 
 
@@ -47,9 +51,11 @@ class FusedAdam(FusedOptimizer):
     host once, so that a skipped first step leaves no state behind.
     """
 
-    def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8,
-                 adam_w_mode=True, weight_decay=0.0, amsgrad=False, set_grad_none=True,
-                 capturable=False, master_weights=False, *, materialize_master_grads=False):
+    def __init__(self, params: Params, lr: float = 1e-3, bias_correction: bool = True,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, adam_w_mode: bool = True,
+                 weight_decay: float = 0.0, amsgrad: bool = False, set_grad_none: bool = True,
+                 capturable: bool = False, master_weights: bool = False, *,
+                 materialize_master_grads: bool = False) -> None:
         if amsgrad:
             _refuse("amsgrad=True", "use torch.optim.Adam(amsgrad=True) or torch.optim.AdamW(amsgrad=True); "
                     "amp.initialize accepts them at every opt level.")
@@ -73,7 +79,8 @@ class FusedAdam(FusedOptimizer):
         super().__init__(params, defaults, materialize_master_grads, set_grad_none)
         self.adam_w_mode = bool(adam_w_mode)
 
-    def _step_group(self, group, buckets, found_inf, inv_scale, model_inv_scale):
+    def _step_group(self, group: dict[str, Any], buckets: dict[BucketKey, Bucket],
+                    found_inf: torch.Tensor | None, inv_scale: Scalar, model_inv_scale: Scalar) -> None:
         fresh = [param for bucket in buckets.values() for param in bucket.params
                  if "exp_avg" not in self.state[param]]
         if fresh and found_inf is not None and found_inf.item():
@@ -99,7 +106,7 @@ class FusedAdam(FusedOptimizer):
             step.sub_(found_inf.detach().reshape(1).to(step.device, torch.float32))
 
 
-def _group_step(group, device):
+def _group_step(group: dict[str, Any], device: torch.device) -> torch.Tensor:
     """The group's step count, a 1-element fp32 tensor on ``device`` (made, or moved there, once).
 
     A checkpoint of Apex's FusedAdam holds a Python int; one loaded elsewhere, a tensor on another

@@ -1,10 +1,14 @@
 """``FusedSGD``: SGD with momentum in one ``multi_tensor_sgd`` pass per kind of tensor (Apex's optimizer)."""
+from __future__ import annotations
+
+from typing import Any
+
 import torch
 from torch.optim.optimizer import required
 
-from amp.multi_tensor_apply import multi_tensor_applier, multi_tensor_sgd
+from amp.multi_tensor_apply import Scalar, multi_tensor_applier, multi_tensor_sgd
 
-from ._fused import FusedOptimizer, check_real
+from ._fused import Bucket, BucketKey, FusedOptimizer, Params, check_real
 
 __all__ = ["FusedSGD"]
 
@@ -44,8 +48,11 @@ class FusedSGD(FusedOptimizer):
     step leaves no buffer behind; every later step is sync-free.
     """
 
-    def __init__(self, params, lr=required, momentum=0, dampening=0, weight_decay=0, nesterov=False,
-                 wd_after_momentum=False, materialize_master_grads=True, set_grad_none=False):
+    def __init__(self, params: Params,
+                 lr: float = required,  # type: ignore[assignment]  # torch's sentinel: lr must be given
+                 momentum: float = 0, dampening: float = 0, weight_decay: float = 0,
+                 nesterov: bool = False, wd_after_momentum: bool = False,
+                 materialize_master_grads: bool = True, set_grad_none: bool = False) -> None:
         if lr is not required:
             check_real("learning rate", lr, 0.0)
         check_real("momentum value", momentum, 0.0)
@@ -58,7 +65,8 @@ class FusedSGD(FusedOptimizer):
         super().__init__(params, defaults, materialize_master_grads, set_grad_none)
         self.wd_after_momentum = bool(wd_after_momentum)
 
-    def _step_group(self, group, buckets, found_inf, inv_scale, model_inv_scale):
+    def _step_group(self, group: dict[str, Any], buckets: dict[BucketKey, Bucket],
+                    found_inf: torch.Tensor | None, inv_scale: Scalar, model_inv_scale: Scalar) -> None:
         for (device, _, _, _, from_model), bucket in buckets.items():
             scale = model_inv_scale if from_model else inv_scale
             states = [self.state[param] for param in bucket.params]
@@ -76,7 +84,8 @@ class FusedSGD(FusedOptimizer):
                 self._sgd(group, bucket.part(fresh), [states[i]["momentum_buffer"] for i in fresh],
                           True, device, found_inf, scale)
 
-    def _sgd(self, group, bucket, bufs, first_run, device, found_inf, scale):
+    def _sgd(self, group: dict[str, Any], bucket: Bucket, bufs: list[torch.Tensor], first_run: bool,
+             device: torch.device, found_inf: torch.Tensor | None, scale: Scalar) -> None:
         lists = [bucket.grads, bucket.params, bufs]
         if bucket.copies:
             lists.append(bucket.copies)

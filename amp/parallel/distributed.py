@@ -6,7 +6,10 @@ delay_allreduce=True, ...)``. Every argument that has a meaning in torch's DDP i
 communication hook); those that cannot be honoured are refused before anything is built, with
 the way to get the same effect.
 """
+from __future__ import annotations
+
 import numbers
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -38,7 +41,8 @@ _REFUSED = (
 class _HookOptions:
     """What the communication hook needs: the group and Apex's scaling and precision choices."""
 
-    def __init__(self, process_group, allreduce_always_fp32, gradient_average, gradient_predivide_factor):
+    def __init__(self, process_group: dist.ProcessGroup | None, allreduce_always_fp32: bool,
+                 gradient_average: bool, gradient_predivide_factor: float) -> None:
         self.process_group = process_group
         self.allreduce_always_fp32 = allreduce_always_fp32
         self.gradient_average = gradient_average
@@ -46,6 +50,9 @@ class _HookOptions:
 
 
 def _apex_allreduce_hook(options, bucket):
+    # type: (_HookOptions, dist.GradBucket) -> torch.futures.Future[torch.Tensor]
+    # A type comment, not annotations: DDP's register_comm_hook refuses a hook whose annotations are
+    # not the objects dist.GradBucket and Future[Tensor], and this module's annotations are strings.
     """Apex's all-reduce: divide by the pre-divide factor, sum (in fp32 if asked), then scale so
     the result is the mean (``gradient_average``) or the sum divided by the pre-divide factor."""
     grads = bucket.buffer()
@@ -56,7 +63,7 @@ def _apex_allreduce_hook(options, bucket):
         reduced.div_(predivide)
     post_factor = predivide / dist.get_world_size(group) if options.gradient_average else 1.0
 
-    def finish(future):
+    def finish(future: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
         total = future.value()[0]
         if post_factor != 1:
             total.mul_(post_factor)
@@ -67,12 +74,18 @@ def _apex_allreduce_hook(options, bucket):
     return dist.all_reduce(reduced, group=group, async_op=True).get_future().then(finish)
 
 
-def _check_flag(name, value):
+def _is_number(value: object, kind: type) -> bool:
+    """``isinstance(value, kind)`` for a ``numbers`` class, bools excluded. A function, not inline:
+    type checkers take an int (a float) for never a numbers.Integral (a numbers.Real)."""
+    return isinstance(value, kind) and not isinstance(value, bool)
+
+
+def _check_flag(name: str, value: object) -> None:
     if not isinstance(value, bool):
         raise TypeError(f"DistributedDataParallel's {name} must be True or False, got {value!r}.")
 
 
-def _element_size(module):
+def _element_size(module: torch.nn.Module) -> int:
     sizes = [param.element_size() for param in module.parameters() if param.requires_grad]
     return max(sizes, default=4)
 
@@ -101,11 +114,13 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
     ``convert_syncbn_model`` and ``LARC`` (also in ``amp.parallel``) complete Apex's module.
     """
 
-    def __init__(self, module, message_size=10000000, delay_allreduce=False, shared_param=None,
-                 allreduce_trigger_params=None, retain_allreduce_buffers=False,
-                 allreduce_always_fp32=False, num_allreduce_streams=1, allreduce_communicators=None,
-                 gradient_average=True, gradient_predivide_factor=1.0,
-                 gradient_average_split_factor=None, prof=False, **ddp_kwargs):
+    def __init__(self, module: torch.nn.Module, message_size: int = 10000000, delay_allreduce: bool = False,
+                 shared_param: object = None, allreduce_trigger_params: object = None,
+                 retain_allreduce_buffers: bool = False, allreduce_always_fp32: bool = False,
+                 num_allreduce_streams: int = 1, allreduce_communicators: object = None,
+                 gradient_average: bool = True, gradient_predivide_factor: float = 1.0,
+                 gradient_average_split_factor: object = None, prof: bool = False,
+                 **ddp_kwargs: Any) -> None:
         given = dict(shared_param=shared_param, allreduce_trigger_params=allreduce_trigger_params,
                      retain_allreduce_buffers=retain_allreduce_buffers,
                      num_allreduce_streams=num_allreduce_streams,
@@ -116,14 +131,14 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             if not (value is default or (type(value) is type(default) and value == default)):
                 raise ValueError(f"apex.parallel.DistributedDataParallel's {name}={value!r} cannot be "
                                  f"honoured on torch's DDP: {advice}")
-        if isinstance(message_size, bool) or not isinstance(message_size, numbers.Integral) or message_size < 1:
+        if not _is_number(message_size, numbers.Integral) or message_size < 1:
             raise ValueError(f"message_size must be a positive number of gradient elements, got {message_size!r}.")
         for name, value in (("delay_allreduce", delay_allreduce),
                             ("allreduce_always_fp32", allreduce_always_fp32),
                             ("gradient_average", gradient_average)):
             _check_flag(name, value)
         factor = gradient_predivide_factor
-        if isinstance(factor, bool) or not isinstance(factor, numbers.Real) or not 0 < factor < float("inf"):
+        if not _is_number(factor, numbers.Real) or not 0 < factor < float("inf"):
             raise ValueError(f"gradient_predivide_factor must be a positive finite number, got {factor!r}.")
         if "bucket_cap_mb" in ddp_kwargs:
             raise ValueError("pass message_size (gradient elements per bucket), not bucket_cap_mb, to "

@@ -8,6 +8,11 @@ by the group's ``lr`` and capped at 1 (so the effective rate is ``min(local, lr)
 rescaling, and the wrapped optimizer runs with ``weight_decay=0`` for that step. A parameter whose
 weight or gradient is zero keeps its gradient as it is (and gets no weight decay that step).
 """
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
 import torch
 
 __all__ = ["LARC"]
@@ -34,7 +39,8 @@ class LARC:
         eps (float): added to the denominator (default 1e-8).
     """
 
-    def __init__(self, optimizer, trust_coefficient=0.02, clip=True, eps=1e-8):
+    def __init__(self, optimizer: torch.optim.Optimizer, trust_coefficient: float = 0.02, clip: bool = True,
+                 eps: float = 1e-8) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"LARC wraps a torch.optim.Optimizer, got {type(optimizer).__name__}.")
         for name, value in (("trust_coefficient", trust_coefficient), ("eps", eps)):
@@ -47,44 +53,44 @@ class LARC:
         self.clip = clip
         self.eps = float(eps)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return (f"LARC(trust_coefficient={self.trust_coefficient}, clip={self.clip}, eps={self.eps}, "
                 f"optimizer={self.optim!r})")
 
     @property
-    def param_groups(self):
+    def param_groups(self) -> list[dict[str, Any]]:
         return self.optim.param_groups
 
     @param_groups.setter
-    def param_groups(self, value):
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
         self.optim.param_groups = value
 
     @property
-    def state(self):
+    def state(self) -> defaultdict[torch.Tensor, Any]:
         return self.optim.state
 
     @state.setter
-    def state(self, value):
+    def state(self, value: defaultdict[torch.Tensor, Any]) -> None:
         self.optim.state = value
 
     @property
-    def defaults(self):
+    def defaults(self) -> dict[str, Any]:
         return self.optim.defaults
 
-    def state_dict(self):
+    def state_dict(self) -> dict[str, Any]:
         return self.optim.state_dict()
 
-    def load_state_dict(self, state_dict):
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.optim.load_state_dict(state_dict)
 
-    def zero_grad(self, set_to_none=True):
+    def zero_grad(self, set_to_none: bool = True) -> None:
         self.optim.zero_grad(set_to_none=set_to_none)
 
-    def add_param_group(self, param_group):
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
         self.optim.add_param_group(param_group)
 
     @torch.no_grad()
-    def step(self):
+    def step(self) -> None:
         """Rescale every gradient by its local rate, then step the wrapped optimizer."""
         weight_decays = [group.get("weight_decay", 0) for group in self.optim.param_groups]
         try:
@@ -93,14 +99,13 @@ class LARC:
                 group["weight_decay"] = 0
                 for param in group["params"]:
                     if param.grad is not None:
-                        self._rescale_grad(param, weight_decay, group["lr"])
+                        self._rescale_grad(param, param.grad, weight_decay, group["lr"])
             self.optim.step()
         finally:
             for group, weight_decay in zip(self.optim.param_groups, weight_decays):
                 group["weight_decay"] = weight_decay
 
-    def _rescale_grad(self, param, weight_decay, lr):
-        grad = param.grad
+    def _rescale_grad(self, param: torch.Tensor, grad: torch.Tensor, weight_decay: float, lr: float) -> None:
         # Norms in fp32 whatever the parameter's dtype, as the ratio of two fp16 norms is coarse.
         param_norm = torch.linalg.vector_norm(param, dtype=torch.float32)
         grad_norm = torch.linalg.vector_norm(grad, dtype=torch.float32)

@@ -8,6 +8,10 @@ two autograd-aware all-reduces per forward (the per-channel sums and counts, the
 squared deviations), whose backward sums the statistics' gradients across ranks. Ranks may hold
 different numbers of rows. Evaluation, and a single rank, are ordinary batch normalisation.
 """
+from __future__ import annotations
+
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -22,14 +26,14 @@ class _AllReduceSum(torch.autograd.Function):
     recent torch."""
 
     @staticmethod
-    def forward(ctx, tensor, group):
+    def forward(ctx: Any, tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         ctx.group = group
         total = tensor.clone()
         dist.all_reduce(total, group=group)
         return total
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         total = grad.clone()
         dist.all_reduce(total, group=ctx.group)
         return total, None
@@ -44,8 +48,10 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
     refused (apply ``torch.relu`` after the layer). Inputs of any rank >= 2, as torch's.
     """
 
-    def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True, track_running_stats=True,
-                 process_group=None, channel_last=False, fuse_relu=False):
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1,
+                 affine: bool = True, track_running_stats: bool = True,
+                 process_group: dist.ProcessGroup | None = None, channel_last: bool = False,
+                 fuse_relu: bool = False) -> None:
         if fuse_relu:
             raise ValueError("SyncBatchNorm(fuse_relu=True) is Apex's fused CUDA kernel, not offered: "
                              "apply torch.relu (or nn.ReLU) after the layer instead.")
@@ -54,22 +60,22 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         self.process_group = process_group
         self.channel_last = channel_last
 
-    def _check_input_dim(self, input):
+    def _check_input_dim(self, input: torch.Tensor) -> None:
         if input.dim() < 2:
             raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
 
-    def _group_size(self):
+    def _group_size(self) -> int:
         if not (dist.is_available() and dist.is_initialized()):
             return 1
         return dist.get_world_size(self.process_group or dist.group.WORLD)
 
-    def forward(self, input):
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
         if self.training and self._group_size() > 1:
             self._check_input_dim(input)
             return self._synchronised_forward(input)
         return super().forward(input)
 
-    def _synchronised_forward(self, input):
+    def _synchronised_forward(self, input: torch.Tensor) -> torch.Tensor:
         group = self.process_group or dist.group.WORLD
         channels = input.shape[1]
         dims = [0] + list(range(2, input.dim()))
@@ -90,7 +96,10 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         return out.to(input.dtype)
 
     @torch.no_grad()
-    def _update_running_stats(self, mean, var, n):
+    def _update_running_stats(self, mean: torch.Tensor, var: torch.Tensor, n: torch.Tensor) -> None:
+        # With track_running_stats (the caller's condition) the buffers exist; torch types them Optional.
+        assert (self.num_batches_tracked is not None and self.running_mean is not None
+                and self.running_var is not None)
         self.num_batches_tracked.add_(1)
         factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
         unbiased = var * (n / (n - 1)) if n > 1 else var
@@ -98,7 +107,8 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         self.running_var.lerp_(unbiased.to(self.running_var.dtype), factor)
 
 
-def convert_syncbn_model(module, process_group=None, channel_last=False):
+def convert_syncbn_model(module: nn.Module, process_group: dist.ProcessGroup | None = None,
+                         channel_last: bool = False) -> nn.Module:
     """Return ``module`` with every BatchNorm layer replaced by a ``SyncBatchNorm`` (Apex's API).
 
     Weights, buffers, ``requires_grad`` and the train/eval mode are carried over; the layers share
@@ -117,13 +127,12 @@ def convert_syncbn_model(module, process_group=None, channel_last=False):
                 converted.weight.requires_grad_(module.weight.requires_grad)
                 converted.bias.requires_grad_(module.bias.requires_grad)
             if module.track_running_stats:
-                converted.running_mean.copy_(module.running_mean)
-                converted.running_var.copy_(module.running_var)
-                converted.num_batches_tracked.copy_(module.num_batches_tracked)
+                for buffer in ("running_mean", "running_var", "num_batches_tracked"):
+                    getattr(converted, buffer).copy_(getattr(module, buffer))
         converted.train(module.training)
         return converted
     for name, child in module.named_children():
-        converted = convert_syncbn_model(child, process_group, channel_last)
-        if converted is not child:
-            setattr(module, name, converted)
+        new_child = convert_syncbn_model(child, process_group, channel_last)
+        if new_child is not child:
+            setattr(module, name, new_child)
     return module

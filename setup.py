@@ -119,6 +119,22 @@ def _gencode_flags(archs):
     return flags
 
 
+def _another_distributions_amp_C():
+    """``(distribution, path)`` of an installed top-level ``amp_C`` that is not ours, or None.
+
+    NVIDIA Apex installs its own ``amp_C``; installing ours would overwrite that file.
+    """
+    from importlib import metadata
+
+    for dist in metadata.distributions():
+        if (dist.metadata["Name"] or "").lower() == "amp":
+            continue
+        for file in dist.files or ():
+            if len(file.parts) == 1 and file.name.startswith("amp_C.") and file.suffix in (".so", ".pyd"):
+                return dist.metadata["Name"], dist.locate_file(file)
+    return None
+
+
 def _amp_C_extension(with_cuda):
     try:
         import torch
@@ -165,6 +181,13 @@ def _amp_C_extension(with_cuda):
         """BuildExtension that first compiles the .cu files with nvcc and links their objects."""
 
         def build_extensions(self):
+            clash = None if self.inplace else _another_distributions_amp_C()
+            if clash is not None:
+                raise RuntimeError(
+                    f"{clash[0]} installed its own amp_C ({clash[1]}); installing amp's would overwrite "
+                    "that file. amp does not need it: install amp without AMP_CPP_EXT/AMP_CUDA_EXT (it "
+                    "then uses its PyTorch ops, with the same results), or build amp_C in a separate "
+                    "environment, or in place in a checkout (python setup.py build_ext --inplace).")
             if cuda_sources:
                 gencode = _gencode_flags(_arch_list(torch, nvcc))
                 objects = self._compile_cuda(Path(self.build_temp) / "amp_C_cuda", gencode)

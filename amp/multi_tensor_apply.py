@@ -44,6 +44,13 @@ except ImportError as err:
     _import_error = err
 else:
     _import_error = None
+    # NVIDIA Apex ships a module of the same name whose ops lack amp's arguments (e.g. Adam's
+    # inv_scale, the scale update's clamp): amp's own build answers build_info(), Apex's does not.
+    if not hasattr(amp_C, "build_info"):
+        _import_error = ImportError(
+            f"the amp_C found at {getattr(amp_C, '__file__', '?')} is not amp's (NVIDIA Apex's, or one "
+            "built from an older amp): amp does not call it")
+        amp_C = None
 
 # The ops keep amp_C's names; the list lives with their PyTorch versions.
 __all__ = ["MultiTensorApply", "multi_tensor_applier", "use_extension", "path_for", "covers",

@@ -5,7 +5,11 @@ compiled kernels to the same bits.
 """
 import itertools
 import logging
+import os
+import subprocess
+import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -501,6 +505,36 @@ def test_path_for_gives_the_fallback_s_reasons(monkeypatch):
         assert path == "torch" and "amp_C extension is not available" in reason
     with pytest.raises(AttributeError):
         mta.path_for("multi_tensor_nothing", "cpu")
+
+
+APEX_AMP_C = """
+def multi_tensor_scale(*args):
+    raise AssertionError("amp called NVIDIA Apex's amp_C")
+"""
+USES_APEX_AMP_C = """
+import torch, amp
+from amp import multi_tensor_apply as mta
+assert mta.amp_C is None and not mta.multi_tensor_applier.available
+print(mta.path_for("multi_tensor_scale", "cpu")[1])
+model = torch.nn.Linear(3, 2)
+model, optimizer = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O2",
+                                  verbosity=0)
+with amp.scale_loss(model(torch.ones(4, 3)).float().sum(), optimizer) as scaled_loss:
+    scaled_loss.backward()
+optimizer.step()
+"""
+
+
+def test_an_amp_C_that_is_not_amps_is_not_called(tmp_path):
+    # NVIDIA Apex installs a module named amp_C whose ops lack amp's arguments; amp must not use it.
+    (tmp_path / "amp_C.py").write_text(APEX_AMP_C)
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(root)]))
+    env.pop("AMP_DISABLE_EXTENSION", None)
+    result = subprocess.run([sys.executable, "-c", USES_APEX_AMP_C], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "is not amp's" in result.stdout and str(tmp_path / "amp_C.py") in result.stdout
 
 
 def test_check_avail_explains_how_to_build_the_extension(monkeypatch):

@@ -15,10 +15,11 @@ import statistics
 
 import torch
 
-from unscale import CHUNK, gpt_ish_shapes, time_once
+from unscale import CHUNK, gpt_ish_shapes
 
 import amp_C
 from amp import _torch_ops
+from amp.check.timing import seconds_per_call
 
 # (op, grad dtype, weight/state dtype, model-copy dtype or None), the forms amp's optimizers use.
 FORMS = [
@@ -70,7 +71,7 @@ def medians(candidates, reps, device):
     for _ in range(reps):
         for label, fn in candidates.items():
             if len(times[label]) < fn.reps:
-                times[label].append(time_once(fn, device))
+                times[label].append(seconds_per_call(fn, device))
     return {label: statistics.median(t) for label, t in times.items()}
 
 

@@ -14,9 +14,10 @@ Usage: python benchmarks/unscale.py [--device cuda] [--reps 30]
 """
 import argparse
 import statistics
-import time
 
 import torch
+
+from amp.check.timing import seconds_per_call
 
 try:
     import amp_C
@@ -35,22 +36,6 @@ def gpt_ish_shapes(vocab=16000, width=512, layers=6):
     return shapes + [(width,), (width,)]
 
 
-def time_once(fn, device, inner=10):
-    """Seconds per call of ``fn``: CUDA events around ``inner`` back-to-back calls on a GPU (no host
-    clock in the measured region), the host clock around one call on the CPU."""
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(inner):
-            fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3 / inner
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
 def compare(name, candidates, reps, device):
     """Runs each candidate once per repetition, in turn; prints medians and ratios to the first."""
     times = {label: [] for label in candidates}
@@ -58,7 +43,7 @@ def compare(name, candidates, reps, device):
         fn()
     for _ in range(reps):
         for label, fn in candidates.items():
-            times[label].append(time_once(fn, device))
+            times[label].append(seconds_per_call(fn, device))
     medians = {label: statistics.median(t) for label, t in times.items()}
     ours = next(iter(medians.values()))
     print(f"\n{name}")

@@ -5,6 +5,7 @@ and a CPU run takes seconds. The split, the shuffling and the model initialisati
 by one seed, so two runs with the same arguments print the same numbers.
 """
 import argparse
+import os
 import random
 
 import numpy as np
@@ -131,6 +132,23 @@ def add_common_args(parser, default_opt_level):
     parser.add_argument("--seed", type=seed_arg, default=0, help="seed for the split, init and order")
     parser.add_argument("--smoke", action="store_true",
                         help="a few steps only; exit with status 1 unless the loss fell")
+
+
+def add_distributed_args(parser, lr):
+    """The options of the torchrun examples: epochs, the per-process batch size, the learning rate."""
+    parser.add_argument("--epochs", type=positive_int, default=10)
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    parser.add_argument("--batch-size", type=batch_size_arg(shards=world_size), default=32,
+                        help="per process")
+    parser.add_argument("--lr", type=positive_float, default=lr)
+
+
+def parse_under_torchrun(parser, argv, script):
+    """``parser.parse_args(argv)``, refused with the command to run when torchrun did not start us."""
+    args = parser.parse_args(argv)
+    if "RANK" not in os.environ:
+        parser.error(f"launch me with torchrun, e.g. torchrun --nproc_per_node=2 {script}")
+    return args
 
 
 def train_distributed(model, optimizer, x_train, y_train, args, rank, world_size):

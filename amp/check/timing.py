@@ -33,8 +33,9 @@ def _shapes(device: torch.device, quick: bool) -> List[int]:
     return shapes
 
 
-def _seconds(fn: Callable[[], object], device: torch.device, inner: int) -> float:
-    """Seconds per call: CUDA events around ``inner`` calls on a GPU, the host clock on the CPU."""
+def seconds_per_call(fn: Callable[[], object], device: torch.device, inner: int = 10) -> float:
+    """Seconds per call of ``fn``: CUDA events around ``inner`` back-to-back calls on a GPU (no host
+    clock in the measured region), the host clock around one call on the CPU."""
     if device.type == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -77,7 +78,7 @@ def unscale_timing(device: torch.device, quick: bool = False) -> Result:
         pytorch()
         for _ in range(reps):
             for k, fn in enumerate((fused, pytorch)):
-                times[k].append(_seconds(fn, device, inner))
+                times[k].append(seconds_per_call(fn, device, inner))
         equal = all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(ours, theirs))
         equal = equal and flag.item() == 0 and found_inf.item() == 0
     except Exception as err:  # noqa: BLE001 - any error is the finding, named in the report

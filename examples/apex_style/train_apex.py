@@ -34,17 +34,9 @@ from distributed.train_ddp import ranks_agree  # noqa: E402
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     common.add_common_args(parser, default_opt_level="O2")
-    parser.add_argument("--epochs", type=common.positive_int, default=10)
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
-    parser.add_argument("--batch-size", type=common.batch_size_arg(shards=world_size), default=32,
-                        help="per process")
-    parser.add_argument("--lr", type=common.positive_float, default=0.1)
+    common.add_distributed_args(parser, lr=0.1)
     parser.add_argument("--trust-coefficient", type=common.positive_float, default=0.02)
-    args = parser.parse_args(argv)
-    if "RANK" not in os.environ:
-        parser.error("launch me with torchrun, e.g. "
-                     "torchrun --nproc_per_node=2 examples/apex_style/train_apex.py")
-    return args
+    return common.parse_under_torchrun(parser, argv, "examples/apex_style/train_apex.py")
 
 
 def build_model():

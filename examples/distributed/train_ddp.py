@@ -28,16 +28,8 @@ import common  # noqa: E402  (examples/common.py, found through the line above)
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     common.add_common_args(parser, default_opt_level="O2")
-    parser.add_argument("--epochs", type=common.positive_int, default=10)
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
-    parser.add_argument("--batch-size", type=common.batch_size_arg(shards=world_size), default=32,
-                        help="per process")
-    parser.add_argument("--lr", type=common.positive_float, default=0.05)
-    args = parser.parse_args(argv)
-    if "RANK" not in os.environ:
-        parser.error("launch me with torchrun, e.g. "
-                     "torchrun --nproc_per_node=2 examples/distributed/train_ddp.py")
-    return args
+    common.add_distributed_args(parser, lr=0.05)
+    return common.parse_under_torchrun(parser, argv, "examples/distributed/train_ddp.py")
 
 
 def build_model():

@@ -35,15 +35,8 @@ import common  # noqa: E402  (examples/common.py, found through the line above)
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     common.add_common_args(parser, default_opt_level="O2")
-    parser.add_argument("--epochs", type=common.positive_int, default=10)
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
-    parser.add_argument("--batch-size", type=common.batch_size_arg(shards=world_size), default=32,
-                        help="per process")
-    parser.add_argument("--lr", type=common.positive_float, default=0.05)
-    args = parser.parse_args(argv)
-    if "RANK" not in os.environ:
-        parser.error("launch me with torchrun, e.g. "
-                     "torchrun --nproc_per_node=2 examples/fsdp/train_fsdp.py")
+    common.add_distributed_args(parser, lr=0.05)
+    args = common.parse_under_torchrun(parser, argv, "examples/fsdp/train_fsdp.py")
     if fully_shard is None:
         parser.error(f"torch {torch.__version__} has no FSDP2 (fully_shard); upgrade torch")
     return args

@@ -7,6 +7,7 @@ by one seed, so two runs with the same arguments print the same numbers.
 import argparse
 import os
 import random
+import sys
 
 import numpy as np
 import torch
@@ -149,6 +150,17 @@ def parse_under_torchrun(parser, argv, script):
     if "RANK" not in os.environ:
         parser.error(f"launch me with torchrun, e.g. torchrun --nproc_per_node=2 {script}")
     return args
+
+
+def distributed_exit_status(consistent, smoke, fell, rank):
+    """1 when the ranks ended inconsistent, or a smoke run's loss did not fall (said by rank 0), else 0."""
+    if not consistent:
+        return 1
+    if smoke and not fell:
+        if rank == 0:
+            print("smoke run failed: the training loss did not fall", file=sys.stderr)
+        return 1
+    return 0
 
 
 def train_distributed(model, optimizer, x_train, y_train, args, rank, world_size):

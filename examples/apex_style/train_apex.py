@@ -84,13 +84,7 @@ def train(args, rank, world_size, device):
         print("losses " + " ".join(f"{value:.4f}" for value in losses[::max(1, len(losses) // 10)]))
         print(f"test accuracy {accuracy:.2f}%; parameters identical on all {world_size} ranks: "
               f"{identical}")
-    if not identical:
-        return 1
-    if args.smoke and not fell:
-        if rank == 0:
-            print("smoke run failed: the training loss did not fall", file=sys.stderr)
-        return 1
-    return 0
+    return common.distributed_exit_status(identical, args.smoke, fell, rank)
 
 
 def main(argv=None):

@@ -101,13 +101,7 @@ def train(args, rank, world_size, local_rank, device, backend):
               f"{identical}")
     else:
         fell = common.window_mean(losses, False) < common.window_mean(losses, True)
-    if not identical:
-        return 1
-    if args.smoke and not fell:
-        if rank == 0:
-            print("smoke run failed: the training loss did not fall", file=sys.stderr)
-        return 1
-    return 0
+    return common.distributed_exit_status(identical, args.smoke, fell, rank)
 
 
 if __name__ == "__main__":

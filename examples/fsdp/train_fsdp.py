@@ -93,13 +93,7 @@ def train(args, rank, world_size, device, backend):
         print(f"test accuracy {accuracy:.2f}%; rank 0 holds {local} of {total} fp32 weights")
     else:
         fell = common.window_mean(losses, False) < common.window_mean(losses, True)
-    if not sharded:
-        return 1
-    if args.smoke and not fell:
-        if rank == 0:
-            print("smoke run failed: the training loss did not fall", file=sys.stderr)
-        return 1
-    return 0
+    return common.distributed_exit_status(sharded, args.smoke, fell, rank)
 
 
 if __name__ == "__main__":

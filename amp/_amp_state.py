@@ -100,9 +100,13 @@ class AmpState:
         if context.enabled:
             self.runs.append(context)
 
-    def live_runs(self) -> list[AmpContext]:
-        """The enabled contexts whose models or optimizers are still alive, oldest first."""
-        if sum(context.live for context in self.runs) > 1:
+    def live_runs(self, collect: bool = False) -> list[AmpContext]:
+        """The enabled contexts whose models or optimizers are still alive, oldest first.
+
+        ``collect``: run the cycle collector even when a single run looks live (it costs a few
+        milliseconds, so only rare calls such as ``initialize`` ask for it).
+        """
+        if sum(context.live for context in self.runs) > (0 if collect else 1):
             # An optimizer and its amp controller reference each other, so a run dropped by the
             # user lingers until the cycle collector runs; it must not be counted as live.
             gc.collect()

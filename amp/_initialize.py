@@ -173,9 +173,10 @@ def _initialize(models, optimizers, context, num_losses, cast_model_outputs, sca
             register_fp32_state_dict_hooks(model, optimizers)
 
     # An earlier O1/O4 run's patches stay installed: its models keep its casts in their forward.
-    earlier = _amp_state.context
+    # Only a run still alive can be affected by the new policy outside every model.
+    earlier = _amp_state.live_runs(collect=True)
     context.casting_policy = casting.use_run_policy(properties, context.verbosity == 2,
-                                                    earlier.properties.opt_level if earlier else None)
+                                                    earlier[-1].properties.opt_level if earlier else None)
     for model in models:
         casting.track_forward(model, context.casting_policy)
     _amp_state.publish(context)

@@ -165,6 +165,7 @@ def ignore_the_flag(op):
     ("multi_tensor_adam", ignore_the_flag(_torch_ops.multi_tensor_adam)),
 ], ids=lambda v: v if isinstance(v, str) else v.__qualname__.split(".")[0])
 def test_a_wrong_kernel_fails_its_self_test(kernels_with, op, wrong):
+    kernels_with()
     assert kernels.self_test(op, CPU, quick=True).status == PASS  # the stand-in alone is right
     kernels_with(**{op: wrong})
     result = kernels.self_test(op, CPU, quick=True)

@@ -305,6 +305,69 @@ def test_kernel_matches_the_fallback_for_every_option(device, variant):
     assert_same_lists(lists, reference)
 
 
+SGD_OPTIONS = [dict(wd=wd, wd_after_momentum=after, momentum=momentum, first_run=first, nesterov=nesterov)
+               for wd, after, momentum, first, nesterov in itertools.product(
+                   (0.0, 1e-2), (False, True), (0.0, 0.9), (False, True), (False, True))]
+
+
+@needs_amp_C
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("form", [("sgd", torch.float32, torch.float32, None),
+                                  ("sgd", torch.float16, torch.float32, torch.float16)], ids=str)
+@pytest.mark.parametrize("options", SGD_OPTIONS, ids=str)
+def test_kernel_matches_the_fallback_for_every_combination_of_sgd_options(device, form, options):
+    # The CPU twin compiles one loop per combination (dispatched once per piece).
+    lists = fuzz_lists(form, device, seed=4, offset=1)
+    reference = clone_lists([[t.cpu() for t in tensors] for tensors in lists])
+    run_op(amp_C, form, lists, flag(device), **options)
+    run_op(_torch_ops, form, reference, flag("cpu"), **options)
+    assert_same_lists(lists, reference)
+
+
+def around_half_blocks(form, device):
+    """Lists of ``form`` whose sizes straddle one and two fp16 staging blocks of the CPU twins
+    (1024 elements). Some masters are fp16 subnormals, zeros of both signs, values near fp16's
+    largest and beyond it, inf and NaN, with zero grads and state there, so that the step only
+    decays them (weight decay of 1e-2 times lr) and the model copies hold those fp16 values."""
+    gen = torch.Generator().manual_seed(11)
+    sizes = [1023, 1024, 1025, 2047, 2048, 2049, 3 * 1024 + 7]
+    special = torch.tensor([3e-8, -6e-8, 1e-6, 0.0, -0.0, 65504.0, 65600.0, -7e4, 1e-45,
+                            float("inf"), float("nan")])
+    dtypes = [form[1], form[2], *([form[2]] * (2 if form[0] == "adam" else 1)), form[3]]
+    lists = [[] for _ in dtypes]
+    for n in sizes:
+        where = torch.randperm(n, generator=gen)[:len(special) * 8]
+        for k, dtype in enumerate(dtypes):
+            values = torch.randn(n, generator=gen)
+            if k == 3 and form[0] == "adam":
+                values = values.abs()
+            values[where] = special.repeat(8) if k == 1 else 0.0
+            lists[k].append(values.to(dtype=dtype, device=device))
+    return lists
+
+
+@needs_amp_C
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("form", [(op, g, torch.float32, torch.float16)
+                                  for op in ("sgd", "adam") for g in (torch.float32, *LOW)], ids=str)
+def test_fp16_model_copies_match_the_fallback_across_staging_blocks(device, form):
+    # Chunks larger than the staging block, so one piece spans several blocks and a partial one.
+    lists = around_half_blocks(form, device)
+    reference = clone_lists([[t.cpu() for t in tensors] for tensors in lists])
+    for impl, tensor_lists, dev in ((amp_C, lists, device), (_torch_ops, reference, "cpu")):
+        if form[0] == "sgd":
+            impl.multi_tensor_sgd(4096, flag(dev), tensor_lists, 1e-2, 0.9, 0.0, 0.1, False, False,
+                                  False, 0.5)
+        else:
+            impl.multi_tensor_adam(4096, flag(dev), tensor_lists, 1e-2, 0.9, 0.999, 1e-8, 3, 1, 1,
+                                   1e-2, 0.5)
+    assert_same_lists(lists, reference)
+    for copy in lists[-1]:
+        tiny = copy.float().abs()
+        assert torch.isinf(copy).any() and torch.isnan(copy).any()
+        assert ((tiny > 0) & (tiny < 2.0**-14)).any()  # fp16 subnormals
+
+
 def misuse_cases():
     """(name, op, lists factory, overrides, exception, message) for calls both paths must refuse."""
     def lists(form=("sgd", torch.float16, torch.float32, torch.float16)):

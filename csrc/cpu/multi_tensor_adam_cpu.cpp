@@ -7,9 +7,10 @@ namespace amp_C {
 namespace cpu {
 namespace {
 
-// kCopy: a model-copy list exists (copy_t is then its element type); param_t is also the state's;
-// kL2, kSmallW1: see adam_element. The lists never overlap (checked by the caller), hence
-// __restrict; `a` is a local copy so that the stores cannot alias it: both let the loop vectorise.
+// kCopy: a model-copy list exists (copy_t is then its element type, or fp32 for a staging block);
+// param_t is also the state's; kL2, kSmallW1: see adam_element. The lists never overlap (checked
+// by the caller), hence __restrict; `a` is a local copy so that the stores cannot alias it: both
+// let the loop vectorise.
 template <bool kCopy, bool kL2, bool kSmallW1, typename grad_t, typename param_t, typename copy_t>
 AMP_INLINE void adam_loop(const grad_t* __restrict grad, param_t* __restrict param,
                           param_t* __restrict exp_avg, param_t* __restrict exp_avg_sq,
@@ -28,6 +29,20 @@ AMP_INLINE void adam_loop(const grad_t* __restrict grad, param_t* __restrict par
   }
 }
 
+// fp16 model copies: the loop writes them as fp32 into a block in L1, which to_half() stores
+// eight at a time (a per-element fp32 -> fp16 conversion would cost the loop most of its speed).
+template <bool kL2, bool kSmallW1, typename grad_t, typename param_t>
+AMP_INLINE void adam_loop_half_copy(const grad_t* grad, param_t* param, param_t* exp_avg,
+                                    param_t* exp_avg_sq, half_t* copy, int64_t n,
+                                    const AdamArgs& args, AdamStepFactors factors,
+                                    float inv_scale) {
+  store_half_in_blocks(copy, n, [&](float* block, int64_t i, int64_t m) {
+    adam_loop<true, kL2, kSmallW1>(grad + i, param + i, exp_avg + i, exp_avg_sq + i, block, m,
+                                   args, factors, inv_scale);
+    return false;
+  });
+}
+
 // param_t is also the state's type; the caller checked the combination. No lambdas: everything
 // must inline into the clones of adam_piece to be compiled for them.
 template <bool kL2, bool kSmallW1, typename grad_t, typename param_t>
@@ -43,9 +58,9 @@ AMP_INLINE void adam_options(const TensorLists& lists, const Piece& p, const Ada
     adam_loop<false, kL2, kSmallW1>(grad, param, exp_avg, exp_avg_sq,
                                     static_cast<float*>(nullptr), n, args, factors, inv_scale);
   } else if (lists.dtype[4] == DType::Float16) {
-    adam_loop<true, kL2, kSmallW1>(grad, param, exp_avg, exp_avg_sq,
-                                   static_cast<half_t*>(lists.ptr[4][t]) + p.begin, n, args,
-                                   factors, inv_scale);
+    adam_loop_half_copy<kL2, kSmallW1>(grad, param, exp_avg, exp_avg_sq,
+                                       static_cast<half_t*>(lists.ptr[4][t]) + p.begin, n, args,
+                                       factors, inv_scale);
   } else {
     adam_loop<true, kL2, kSmallW1>(grad, param, exp_avg, exp_avg_sq,
                                    static_cast<bf16_t*>(lists.ptr[4][t]) + p.begin, n, args,

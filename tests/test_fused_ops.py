@@ -333,7 +333,8 @@ def around_half_blocks(form, device):
     sizes = [1023, 1024, 1025, 2047, 2048, 2049, 3 * 1024 + 7]
     special = torch.tensor([3e-8, -6e-8, 1e-6, 0.0, -0.0, 65504.0, 65600.0, -7e4, 1e-45,
                             float("inf"), float("nan")])
-    dtypes = [form[1], form[2], *([form[2]] * (2 if form[0] == "adam" else 1)), form[3]]
+    dtypes = [form[1], form[2], *([form[2]] * (2 if form[0] == "adam" else 1))]
+    dtypes += [form[3]] if form[3] else []
     lists = [[] for _ in dtypes]
     for n in sizes:
         where = torch.randperm(n, generator=gen)[:len(special) * 8]
@@ -349,22 +350,26 @@ def around_half_blocks(form, device):
 @needs_amp_C
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 @pytest.mark.parametrize("form", [(op, g, torch.float32, torch.float16)
-                                  for op in ("sgd", "adam") for g in (torch.float32, *LOW)], ids=str)
-def test_fp16_model_copies_match_the_fallback_across_staging_blocks(device, form):
-    # Chunks larger than the staging block, so one piece spans several blocks and a partial one.
+                                  for op in ("sgd", "adam") for g in (torch.float32, *LOW)]
+                         + [(op, torch.float16, torch.float16, None) for op in ("sgd", "adam")],
+                         ids=str)
+@pytest.mark.parametrize("first_run", [False, True])
+def test_fp16_stores_match_the_fallback_across_staging_blocks(device, form, first_run):
+    # Chunks larger than the staging block, so one piece spans several blocks and a partial one;
+    # fp16 model copies, or fp16 weights and state (every list then goes through fp32 blocks).
     lists = around_half_blocks(form, device)
     reference = clone_lists([[t.cpu() for t in tensors] for tensors in lists])
     for impl, tensor_lists, dev in ((amp_C, lists, device), (_torch_ops, reference, "cpu")):
         if form[0] == "sgd":
-            impl.multi_tensor_sgd(4096, flag(dev), tensor_lists, 1e-2, 0.9, 0.0, 0.1, False, False,
-                                  False, 0.5)
+            impl.multi_tensor_sgd(4096, flag(dev), tensor_lists, 1e-2, 0.9, 0.0, 0.1, False,
+                                  first_run, False, 0.5)
         else:
             impl.multi_tensor_adam(4096, flag(dev), tensor_lists, 1e-2, 0.9, 0.999, 1e-8, 3, 1, 1,
                                    1e-2, 0.5)
     assert_same_lists(lists, reference)
-    for copy in lists[-1]:
-        tiny = copy.float().abs()
-        assert torch.isinf(copy).any() and torch.isnan(copy).any()
+    for half in lists[-1] if form[3] else lists[1]:
+        tiny = half.float().abs()
+        assert torch.isnan(half).any() and (torch.isinf(half).any() or form[3] is None)
         assert ((tiny > 0) & (tiny < 2.0**-14)).any()  # fp16 subnormals
 
 
@@ -440,3 +445,4 @@ def test_a_set_flag_on_a_misused_call_still_raises():
     lists = fuzz_lists(("sgd", torch.float16, torch.float16, torch.float16), "cpu", seed=4, offset=0)
     with pytest.raises(ValueError, match="unsupported dtype combination"):
         run_op(_torch_ops, ("sgd",), lists, flag("cpu", 1))
+

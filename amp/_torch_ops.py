@@ -3,8 +3,10 @@
 These run wherever PyTorch runs and are the fallback that ``amp.multi_tensor_apply`` uses when the
 ``amp_C`` extension is not built (or does not support the tensors' device). Each op is a handful of
 ``torch._foreach_*`` / ``torch._amp_foreach_non_finite_check_and_unscale_`` calls over the whole
-list, never a Python loop over elements. ``chunk_size`` is accepted for signature compatibility and
-otherwise ignored (there are no launches to chunk), but refused where ``amp_C`` refuses it.
+list, never a Python loop over elements; the fused optimizer steps, whose exact fp32 arithmetic
+takes a few dozen tensor operations, work through each tensor in cache-sized slices instead.
+``chunk_size`` is accepted for signature compatibility and otherwise ignored (there are no launches
+to chunk), but refused where ``amp_C`` refuses it.
 
 Rounding contract (the compiled kernels must produce the same bits):
 
@@ -553,28 +555,167 @@ def _host_fp32(value):
     return torch.tensor(value, dtype=torch.float32).item()
 
 
-def _fma(a, b, c):
-    """``fp32(a * b + c)`` rounded once, as C's ``fmaf`` and CUDA's ``__fmaf_rn``, for fp32 tensors.
+# Elements per slice in the fused optimizers below. On the CPU each tensor is updated one slice of
+# its flat view at a time, so that the temporaries (fp64 ones in ``_fma``) stay in the caches
+# instead of streaming through memory; on a GPU a slice only bounds the temporaries' memory (a
+# small one would cost a kernel launch per operation for little work).
+_CPU_SLICE = 131072
+_DEVICE_SLICE = 2**20
 
-    The fp64 product of two fp32 values is exact; the fp64 sum is rounded to odd (its exact error
-    from TwoSum decides), after which rounding to fp32 is correct (Boldo and Melquiond, 2008).
+
+class _Scratch:
+    """The temporaries of one fused step: a buffer per name, reused from slice to slice as the
+    ``out`` of each operation (the CPU allocator would otherwise map, and the kernel fault in,
+    fresh pages for most of them). ``scratch(name, dtype, n)`` is that buffer's first ``n``
+    elements; a name always has the same dtype."""
+
+    def __init__(self, device, size):
+        self._device, self._size, self._buffers = device, size, {}
+
+    def __call__(self, name, dtype, n):
+        buffer = self._buffers.get(name)
+        if buffer is None:
+            buffer = self._buffers[name] = torch.empty(self._size, dtype=dtype, device=self._device)
+        return buffer if n == self._size else buffer[:n]
+
+
+def _slices(lists, device):
+    """A scratch of the slice size, and an iterator over every tensor index's slices: ``[grad,
+    weight, ...]`` lists of aligned pieces of the flat tensors."""
+    size = _CPU_SLICE if device.type == "cpu" else _DEVICE_SLICE
+    scratch = _Scratch(device, min(size, max(t.numel() for t in lists[0])))
+
+    def pieces():
+        for tensors in zip(*lists):
+            for begin in range(0, tensors[0].numel(), size):
+                yield [t[begin:begin + size] for t in tensors]
+
+    return scratch, pieces()
+
+
+def _widened(scratch, name, t):
+    """``t`` as fp32: itself, or widened into the scratch."""
+    if t.dtype == torch.float32:
+        return t
+    return scratch(name, torch.float32, t.numel()).copy_(t)
+
+
+def _fp32_product(scratch, name, t, factor):
+    """``fp32(t) * factor`` (a 0-dim fp32 tensor), into the scratch."""
+    out = scratch(name, torch.float32, t.numel())
+    if t.dtype == torch.float32:
+        return torch.mul(t, factor, out=out)
+    return out.copy_(t).mul_(factor)
+
+
+def _as_fp64(scratch, name, t):
+    """A 0-dim ``t`` as it is (it is widened exactly inside an fp64 operation), else its fp64 copy."""
+    return t if t.dim() == 0 else scratch(name, torch.float64, t.numel()).copy_(t)
+
+
+def _fma(a, b, c, scratch, out):
+    """``fp32(a * b + c)`` rounded once, as C's ``fmaf`` and CUDA's ``__fmaf_rn``, into
+    ``scratch(out, ...)``: ``b`` and ``c`` fp32 tensors, ``a`` one too or a 0-dim fp32 tensor.
+
+    Why this is exact, each step an IEEE fp64 operation rounded to nearest even:
+
+    * ``p = a * b`` is exact: two 24-bit significands make at most 48 bits, and fp32 products
+      (2**-298 to 2**256 in magnitude) lie well inside fp64's normal range.
+    * ``s = p + c`` rounds once; TwoSum (Knuth: ``s`` and five more operations) gives its exact
+      error ``e = (p + c) - s`` for any finite ``p`` and ``c``.
+    * Rounding ``s`` to fp32 could go wrong only where ``s`` lands on a midpoint of two fp32 values
+      that the exact sum is not on. Rounded to odd instead (the exact sum truncated toward zero,
+      its last bit set when inexact), the fp64 sum never lands on one (an fp32 midpoint has a zero
+      last fp64 bit), and rounding that to fp32 is correct: 53 >= 24 + 2 bits (Boldo and
+      Melquiond, 2008), over the whole fp32 range, subnormals and overflow to inf included.
+    * Round to odd in the bits of ``s``: one unit less when ``|p + c| < |s|`` (``e`` and ``s`` of
+      opposite signs), then the last bit set when ``e != 0``; a unit less in the last place of
+      a power of two is the largest value of the binade below, as it should be. The signs are
+      read from ``e * s``, which neither underflows nor overflows when ``e != 0``: then ``s`` is
+      not 0 (a sum that rounds to 0 is exact), ``|s| >= 2**-298`` and ``e`` is a multiple of
+      ``2**-350`` (``p + c`` of ``2**-298``, ``s`` of its ulp), and ``|e| <= 2**-53 * |s|``.
+    * With an inf or NaN input ``s`` is inf or NaN and TwoSum makes ``e`` NaN: both comparisons are
+      false, ``s`` stays, and its fp32 rounding is fmaf's result (``s`` itself never overflows
+      fp64; a finite ``s`` beyond fp32's range rounds to inf as fmaf's result does).
+
+    No value is read on the host: this is the path for every device but the CPU. tests/
+    test_fused_ops.py checks it against exact rational arithmetic on random and adversarial
+    triples (midpoints, ties, subnormals, overflow, signed zeros, inf and NaN).
     """
-    p, c = a.double() * b.double(), c.double()
-    s = p + c
-    c_part = s - p
-    error = (p - (s - c_part)) + (c - c_part)
-    to_odd = (error != 0) & ((s.view(torch.int64) & 1) == 0) & torch.isfinite(s)
-    toward = torch.where(error > 0, float("inf"), float("-inf"))
-    return torch.where(to_odd, torch.nextafter(s, toward.to(s.dtype)), s).float()
+    n = b.numel()
+    p = scratch("fma.p", torch.float64, n).copy_(b).mul_(_as_fp64(scratch, "fma.a", a))
+    c = scratch("fma.c", torch.float64, n).copy_(c)
+    s = torch.add(p, c, out=scratch("fma.s", torch.float64, n))
+    # TwoSum's error, in place: t = s - p, then e = (p - (s - t)) + (c - t).
+    t = torch.sub(s, p, out=scratch("fma.t", torch.float64, n))
+    torch.sub(c, t, out=c)
+    torch.sub(s, t, out=t)
+    e = torch.sub(p, t, out=p).add_(c)
+    e.mul_(s)  # e * s: its sign says on which side of s the exact sum lies
+    lower = torch.lt(e, 0, out=scratch("fma.lower", torch.bool, n))
+    inexact = torch.gt(e, 0, out=scratch("fma.inexact", torch.bool, n)).logical_or_(lower)
+    bits, unit = s.view(torch.int64), scratch("fma.unit", torch.int64, n)
+    bits.sub_(unit.copy_(lower))
+    bits.bitwise_or_(unit.copy_(inexact))
+    return scratch(out, torch.float32, n).copy_(s)
 
 
-def _skip_where_flagged(noop_flag, destinations, results):
-    """Store ``results`` into ``destinations`` unless the flag is set: decided on the device (a
-    flagged call stores the old values back, the same bits), so a skipped step reads no host value.
+_FP32_MIN_NORMAL_BITS = 0x00800000  # 2**-126 as fp32 bits
+
+
+def _fma_cpu(a, b, c, scratch, out):
+    """``_fma`` for CPU tensors, in fewer passes: rounds ``s = a * b + c`` (fp64, as in ``_fma``)
+    straight to fp32, and recomputes with ``_fma`` the elements where that can differ, if any.
+
+    Rounding ``s`` instead of the exact sum ``x`` to fp32 can only differ where ``s`` is an fp32
+    rounding midpoint: otherwise no midpoint lies between ``x`` and ``s`` (it would be an fp64
+    value nearer to ``x`` than ``s``, or ``x`` itself and then ``s``), so both round alike. In
+    fp32's normal range, up to the overflow threshold (``FLT_MAX`` and half an ulp), those
+    midpoints are exactly the fp64 values whose 29 low significand bits are a 1 and 28 zeros;
+    below it, where fp32 keeps fewer bits, every nonzero ``s`` that rounds to at most ``2**-126``
+    in magnitude is recomputed. An inf or NaN ``s`` is neither, and is fmaf's result. Whether any
+    element needs it is read on the host, hence CPU tensors only.
     """
-    keep_old = (noop_flag != 0).reshape(())
-    for dst, new in zip(destinations, results):
-        dst.copy_(torch.where(keep_old, dst, new.to(dst.dtype)))
+    n = b.numel()
+    s = scratch("fma_cpu.s", torch.float64, n).copy_(b).mul_(_as_fp64(scratch, "fma_cpu.a", a))
+    s.add_(scratch("fma_cpu.c", torch.float64, n).copy_(c))
+    r = scratch(out, torch.float32, n).copy_(s)
+    # Int32 tests (their reductions are fast, and see no NaN): the 29 low bits of s xor 2**28 are 0
+    # at a midpoint; r's bits without the sign are at most 2**-126's where |r| <= 2**-126.
+    low = torch.bitwise_and(s.view(torch.int64), 0x1FFFFFFF,
+                            out=scratch("fma_cpu.low", torch.int32, n)).bitwise_xor_(0x10000000)
+    magnitude = torch.bitwise_and(r.view(torch.int32), 0x7FFFFFFF,
+                                  out=scratch("fma_cpu.magnitude", torch.int32, n))
+    midpoints, tiny = bool(low.amin() == 0), bool(magnitude.amin() <= _FP32_MIN_NORMAL_BITS)
+    if midpoints or tiny:
+        suspect = low == 0 if midpoints else None
+        if tiny:
+            nonzero_tiny = (magnitude <= _FP32_MIN_NORMAL_BITS).logical_and_(s != 0)
+            suspect = nonzero_tiny if suspect is None else suspect.logical_or_(nonzero_tiny)
+        index = suspect.nonzero().squeeze(1)
+        r[index] = _fma(a if a.dim() == 0 else a[index], b[index], c[index], scratch, "fma_cpu.fix")
+    return r
+
+
+def _step_tools(noop_flag, device):
+    """``(fma, keep_old)`` for a fused optimizer step on ``device``, or None when the step is
+    skipped. On the CPU the flag is read on the host (there is no device to wait for): a set flag
+    skips the step there, and the step uses ``_fma_cpu``. Elsewhere nothing is read on the host:
+    ``keep_old`` is the flag as a 0-dim bool tensor, applied by ``_store``."""
+    if device.type == "cpu":
+        return None if noop_flag.item() != 0 else (_fma_cpu, None)
+    return _fma, (noop_flag != 0).reshape(())
+
+
+def _store(keep_old, scratch, destination, result):
+    """``destination = result``, rounded to its dtype; with ``keep_old`` (a 0-dim bool tensor, the
+    noop flag) the choice is made on the device, a flagged step storing the old values back."""
+    if keep_old is None:
+        destination.copy_(result)
+        return
+    if result.dtype != destination.dtype:
+        result = scratch(f"store.{destination.dtype}", destination.dtype, result.numel()).copy_(result)
+    torch.where(keep_old, destination, result, out=destination)
 
 
 def multi_tensor_sgd(chunk_size, noop_flag, tensor_lists, wd, momentum, dampening, lr, nesterov,
@@ -608,29 +749,37 @@ def multi_tensor_sgd(chunk_size, noop_flag, tensor_lists, wd, momentum, dampenin
         return
     _check_flag(op, noop_flag, device)
     scale = _fp32_scalar(op, "scale", scale, device)
-    wd_t, momentum_t, dc_t, lr_t = (_fp32(v, device) for v in (wd, momentum, 1.0 - dampening, lr))
-    wd, momentum = _host_fp32(wd), _host_fp32(momentum)
+    wd_t, momentum_t, dc_t, neg_lr_t = (_fp32(v, device) for v in (wd, momentum, 1.0 - dampening,
+                                                                    -lr))
+    wd, momentum, dc = _host_fp32(wd), _host_fp32(momentum), _host_fp32(1.0 - dampening)
     lists = [[_flat(t) for t in tensors] for tensors in tensor_lists]
+    tools = _step_tools(noop_flag, device)
+    if tools is None:
+        return
+    fma, keep_old = tools
     with torch.no_grad():
-        for i, (grad, weight, buf) in enumerate(zip(*lists[:3])):
-            g = grad.float() * scale
-            w = weight.float()
+        scratch, pieces = _slices(lists, device)
+        for grad, weight, buf, *copy in pieces:
+            g = _fp32_product(scratch, "g", grad, scale)
+            w = _widened(scratch, "w", weight)
             if wd != 0 and not wd_after_momentum:
-                g = _fma(wd_t, w, g)
-            destinations, results = [weight], []
+                g = fma(wd_t, w, g, scratch, "g.wd")
             if momentum != 0:
-                b = g if first_run else _fma(dc_t, g, buf.float() * momentum_t)
-                g = _fma(momentum_t, b, g) if nesterov else b
-                destinations.append(buf)
-                results.append(b)
+                if first_run:
+                    b = g
+                else:
+                    b = _fp32_product(scratch, "b", buf, momentum_t)
+                    # fma(1, g, b) is g + b rounded once: an fp32 add.
+                    b = b.add_(g) if dc == 1 else fma(dc_t, g, b, scratch, "b.dc")
+                g = fma(momentum_t, b, g, scratch, "g.nesterov") if nesterov else b
             if wd != 0 and wd_after_momentum:
-                g = _fma(wd_t, w, g)
-            w = _fma(-lr_t, g, w)
-            results.insert(0, w)
-            if len(lists) == 4:
-                destinations.append(lists[3][i])
-                results.append(w)
-            _skip_where_flagged(noop_flag, destinations, results)
+                g = fma(wd_t, w, g, scratch, "g.wd_after")
+            w = fma(neg_lr_t, g, w, scratch, "w.new")
+            _store(keep_old, scratch, weight, w)
+            if momentum != 0:
+                _store(keep_old, scratch, buf, b)
+            if copy:
+                _store(keep_old, scratch, copy[0], w)
 
 
 def _adam_step(op, step, device):
@@ -720,6 +869,10 @@ def multi_tensor_adam(chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, eps
     _check_flag(op, noop_flag, device)
     inv_scale = _fp32_scalar(op, "inv_scale", inv_scale, device)
     step = _adam_step(op, step, device)
+    tools = _step_tools(noop_flag, device)
+    if tools is None:
+        return
+    fma, keep_old = tools
     with torch.no_grad():
         if bias_correction:
             # A tensor divisor, not ``lr / tensor`` (which torch computes as lr * reciprocal).
@@ -733,25 +886,36 @@ def multi_tensor_adam(chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, eps
         small_w1 = abs(w1_host) < 0.5
         wd_t, beta2_t, w2, eps_t, decay = (_fp32(v, device) for v in (
             weight_decay, beta2, 1.0 - beta2, epsilon, 1.0 - lr * weight_decay))
+        neg_step_size = -step_size
         lists = [[_flat(t) for t in tensors] for tensors in tensor_lists]
         weight_decay = _host_fp32(weight_decay)
-        for i, (grad, param, exp_avg, exp_avg_sq) in enumerate(zip(*lists[:4])):
-            g = grad.float() * inv_scale
-            p = param.float()
+        scratch, pieces = _slices(lists, device)
+        for grad, param, exp_avg, exp_avg_sq, *copy in pieces:
+            n = grad.numel()
+            g = _fp32_product(scratch, "g", grad, inv_scale)
+            p = _widened(scratch, "p", param)
             if weight_decay != 0:
                 if mode == 0:
-                    g = _fma(wd_t, p, g)
+                    g = fma(wd_t, p, g, scratch, "g.wd")
                 else:
-                    p = p * decay
-            m = exp_avg.float()
-            m = _fma(w1, g - m, m) if small_w1 else _fma(w1_minus_1, g - m, g)
-            v = _fma(w2 * g, g, exp_avg_sq.float() * beta2_t)
+                    p = torch.mul(p, decay, out=scratch("p.decay", torch.float32, n))
+            m = _widened(scratch, "m", exp_avg)
+            diff = torch.sub(g, m, out=scratch("diff", torch.float32, n))
+            if small_w1:
+                m = fma(w1, diff, m, scratch, "m.new")
+            else:
+                m = fma(w1_minus_1, diff, g, scratch, "m.new")
+            v = fma(torch.mul(g, w2, out=scratch("w2g", torch.float32, n)), g,
+                    _fp32_product(scratch, "v", exp_avg_sq, beta2_t), scratch, "v.new")
             # torch.sqrt of fp32 is not correctly rounded on every CPU build (MKL's is not); the
             # fp64 square root rounded to fp32 is (53 >= 2 * 24 + 2 bits).
-            denom = torch.sqrt(v.double()).float() / bc2_sqrt + eps_t
-            p = p + (-step_size * m) / denom
-            destinations, results = [param, exp_avg, exp_avg_sq], [p, m, v]
-            if len(lists) == 5:
-                destinations.append(lists[4][i])
-                results.append(p)
-            _skip_where_flagged(noop_flag, destinations, results)
+            denom = scratch("denom.fp64", torch.float64, n).copy_(v).sqrt_()
+            denom = scratch("denom", torch.float32, n).copy_(denom).div_(bc2_sqrt).add_(eps_t)
+            # p + (-step_size * m) / denom (an IEEE sum is the same either way round)
+            update = torch.mul(m, neg_step_size, out=scratch("p.new", torch.float32, n))
+            p = update.div_(denom).add_(p)
+            _store(keep_old, scratch, param, p)
+            _store(keep_old, scratch, exp_avg, m)
+            _store(keep_old, scratch, exp_avg_sq, v)
+            if copy:
+                _store(keep_old, scratch, copy[0], p)

@@ -150,17 +150,62 @@ AMP_HOST_DEVICE inline double dmul_rn(double a, double b) {
 #endif
 }
 
+// SGD's options as compile-time flags, so that the CPU loops have no branches: weight decay
+// (wd != 0) before or after the momentum, momentum (momentum != 0), its first step (first_run) and
+// Nesterov. A flag that cannot matter is false (kFirstRun and kNesterov without kMomentum,
+// kWdAfterMomentum without kWd), so that a call picks one of 15 combinations.
+template <bool kWd, bool kWdAfterMomentum, bool kMomentum, bool kFirstRun, bool kNesterov>
+struct SgdOptions {
+  static constexpr bool wd = kWd;
+  static constexpr bool wd_after_momentum = kWdAfterMomentum;
+  static constexpr bool momentum = kMomentum;
+  static constexpr bool first_run = kFirstRun;
+  static constexpr bool nesterov = kNesterov;
+};
+
+// Calls f(SgdOptions<...>{}) with the options of `a`: `wd != 0` and `momentum != 0` as the
+// kernels always tested them (NaN counts as non-zero, -0 as zero).
+template <bool kWd, bool kWdAfterMomentum, typename F>
+AMP_HOST_DEVICE inline void visit_sgd_momentum(const SgdArgs& a, F&& f) {
+  if (a.momentum == 0.f) {
+    f(SgdOptions<kWd, kWdAfterMomentum, false, false, false>{});
+  } else if (a.first_run) {
+    if (a.nesterov) {
+      f(SgdOptions<kWd, kWdAfterMomentum, true, true, true>{});
+    } else {
+      f(SgdOptions<kWd, kWdAfterMomentum, true, true, false>{});
+    }
+  } else if (a.nesterov) {
+    f(SgdOptions<kWd, kWdAfterMomentum, true, false, true>{});
+  } else {
+    f(SgdOptions<kWd, kWdAfterMomentum, true, false, false>{});
+  }
+}
+
+template <typename F>
+AMP_HOST_DEVICE inline void visit_sgd_options(const SgdArgs& a, F&& f) {
+  if (a.wd == 0.f) {
+    visit_sgd_momentum<false, false>(a, f);
+  } else if (a.wd_after_momentum) {
+    visit_sgd_momentum<true, true>(a, f);
+  } else {
+    visit_sgd_momentum<true, false>(a, f);
+  }
+}
+
 // One SGD step of one element, in fp32: `grad` as stored (already widened), `w` and `buf` updated
-// in place (`buf` untouched when momentum is 0). The arithmetic of torch.optim.SGD.
+// in place (`buf` untouched without momentum). The arithmetic of torch.optim.SGD; `Options` is
+// the SgdOptions of `a` (visit_sgd_options).
+template <typename Options>
 AMP_HOST_DEVICE inline void sgd_element(float grad, float& w, float& buf, const SgdArgs& a,
                                         float scale) {
   float g = mul_rn(grad, scale);
-  if (a.wd != 0.f && !a.wd_after_momentum) g = fma_rn(a.wd, w, g);
-  if (a.momentum != 0.f) {
-    buf = a.first_run ? g : fma_rn(a.dc, g, mul_rn(buf, a.momentum));
-    g = a.nesterov ? fma_rn(a.momentum, buf, g) : buf;
+  if (Options::wd && !Options::wd_after_momentum) g = fma_rn(a.wd, w, g);
+  if (Options::momentum) {
+    buf = Options::first_run ? g : fma_rn(a.dc, g, mul_rn(buf, a.momentum));
+    g = Options::nesterov ? fma_rn(a.momentum, buf, g) : buf;
   }
-  if (a.wd != 0.f && a.wd_after_momentum) g = fma_rn(a.wd, w, g);
+  if (Options::wd && Options::wd_after_momentum) g = fma_rn(a.wd, w, g);
   w = fma_rn(-a.lr, g, w);
 }
 

@@ -32,7 +32,12 @@ struct SgdFunctor {
       load<W>(w, weight + i);
       if constexpr (kMomentum) load<W>(b, buf + i);
 #pragma unroll
-      for (int k = 0; k < W; ++k) sgd_element(g[k], w[k], b[k], args, scale);
+      for (int k = 0; k < W; ++k) {
+        // Uniform branches: every thread of the launch takes the same one.
+        visit_sgd_options(args, [&](auto options) {
+          sgd_element<decltype(options)>(g[k], w[k], b[k], args, scale);
+        });
+      }
       store<W>(weight + i, w);
       if constexpr (kMomentum) store<W>(buf + i, b);
       if constexpr (depth == 4) store<W>(copy + i, w);

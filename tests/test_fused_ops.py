@@ -7,6 +7,10 @@ included), so both are compared bit for bit, Adam's reference stepping with the 
 square root that the kernels take (torch's CPU sqrt is not correctly rounded on every build).
 """
 import itertools
+import math
+import random
+import struct
+from fractions import Fraction
 
 import pytest
 import torch
@@ -305,6 +309,96 @@ def test_kernel_matches_the_fallback_for_every_option(device, variant):
     assert_same_lists(lists, reference)
 
 
+@pytest.mark.parametrize("form", FORMS, ids=str)
+@pytest.mark.parametrize("fallback_path", ["cpu", "device"])
+@pytest.mark.parametrize("noop", [0, 1])
+def test_the_fallback_gives_the_same_bits_in_slices_and_on_its_device_path(monkeypatch, form,
+                                                                           fallback_path, noop):
+    # The fallback works through each tensor in slices (_CPU_SLICE elements on the CPU): small ones
+    # here, so that they straddle the tensors, against the CPU twin (where built) in one pass. Its
+    # device path (no host reads: _fma, and the flag applied with torch.where) runs on the CPU too
+    # when chosen.
+    lists = fuzz_lists(form, "cpu", seed=8, offset=1)
+    lists[0][7][5] = float("inf")
+    lists[0][6][100] = float("nan")
+    reference = clone_lists(lists)
+    run_op(amp_C or _torch_ops, form, reference, flag("cpu", noop))  # the twin where it is built
+    monkeypatch.setattr(_torch_ops, "_CPU_SLICE", 100)
+    if fallback_path == "device":
+        monkeypatch.setattr(_torch_ops, "_step_tools",
+                            lambda noop_flag, device: (_torch_ops._fma, (noop_flag != 0).reshape(())))
+    run_op(_torch_ops, form, lists, flag("cpu", noop))
+    assert_same_lists(lists, reference)
+
+
+SGD_OPTIONS = [dict(wd=wd, wd_after_momentum=after, momentum=momentum, first_run=first, nesterov=nesterov)
+               for wd, after, momentum, first, nesterov in itertools.product(
+                   (0.0, 1e-2), (False, True), (0.0, 0.9), (False, True), (False, True))]
+
+
+@needs_amp_C
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("form", [("sgd", torch.float32, torch.float32, None),
+                                  ("sgd", torch.float16, torch.float32, torch.float16)], ids=str)
+@pytest.mark.parametrize("options", SGD_OPTIONS, ids=str)
+def test_kernel_matches_the_fallback_for_every_combination_of_sgd_options(device, form, options):
+    # The CPU twin compiles one loop per combination (dispatched once per piece).
+    lists = fuzz_lists(form, device, seed=4, offset=1)
+    reference = clone_lists([[t.cpu() for t in tensors] for tensors in lists])
+    run_op(amp_C, form, lists, flag(device), **options)
+    run_op(_torch_ops, form, reference, flag("cpu"), **options)
+    assert_same_lists(lists, reference)
+
+
+def around_half_blocks(form, device):
+    """Lists of ``form`` whose sizes straddle one and two fp16 staging blocks of the CPU twins
+    (1024 elements). Some masters are fp16 subnormals, zeros of both signs, values near fp16's
+    largest and beyond it, inf and NaN, with zero grads and state there, so that the step only
+    decays them (weight decay of 1e-2 times lr) and the model copies hold those fp16 values."""
+    gen = torch.Generator().manual_seed(11)
+    sizes = [1023, 1024, 1025, 2047, 2048, 2049, 3 * 1024 + 7]
+    special = torch.tensor([3e-8, -6e-8, 1e-6, 0.0, -0.0, 65504.0, 65600.0, -7e4, 1e-45,
+                            float("inf"), float("nan")])
+    dtypes = [form[1], form[2], *([form[2]] * (2 if form[0] == "adam" else 1))]
+    dtypes += [form[3]] if form[3] else []
+    lists = [[] for _ in dtypes]
+    for n in sizes:
+        where = torch.randperm(n, generator=gen)[:len(special) * 8]
+        for k, dtype in enumerate(dtypes):
+            values = torch.randn(n, generator=gen)
+            if k == 3 and form[0] == "adam":
+                values = values.abs()
+            values[where] = special.repeat(8) if k == 1 else 0.0
+            lists[k].append(values.to(dtype=dtype, device=device))
+    return lists
+
+
+@needs_amp_C
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("form", [(op, g, torch.float32, torch.float16)
+                                  for op in ("sgd", "adam") for g in (torch.float32, *LOW)]
+                         + [(op, torch.float16, torch.float16, None) for op in ("sgd", "adam")],
+                         ids=str)
+@pytest.mark.parametrize("first_run", [False, True])
+def test_fp16_stores_match_the_fallback_across_staging_blocks(device, form, first_run):
+    # Chunks larger than the staging block, so one piece spans several blocks and a partial one;
+    # fp16 model copies, or fp16 weights and state (every list then goes through fp32 blocks).
+    lists = around_half_blocks(form, device)
+    reference = clone_lists([[t.cpu() for t in tensors] for tensors in lists])
+    for impl, tensor_lists, dev in ((amp_C, lists, device), (_torch_ops, reference, "cpu")):
+        if form[0] == "sgd":
+            impl.multi_tensor_sgd(4096, flag(dev), tensor_lists, 1e-2, 0.9, 0.0, 0.1, False,
+                                  first_run, False, 0.5)
+        else:
+            impl.multi_tensor_adam(4096, flag(dev), tensor_lists, 1e-2, 0.9, 0.999, 1e-8, 3, 1, 1,
+                                   1e-2, 0.5)
+    assert_same_lists(lists, reference)
+    for half in lists[-1] if form[3] else lists[1]:
+        tiny = half.float().abs()
+        assert torch.isnan(half).any() and (torch.isinf(half).any() or form[3] is None)
+        assert ((tiny > 0) & (tiny < 2.0**-14)).any()  # fp16 subnormals
+
+
 def misuse_cases():
     """(name, op, lists factory, overrides, exception, message) for calls both paths must refuse."""
     def lists(form=("sgd", torch.float16, torch.float32, torch.float16)):
@@ -377,3 +471,127 @@ def test_a_set_flag_on_a_misused_call_still_raises():
     lists = fuzz_lists(("sgd", torch.float16, torch.float16, torch.float16), "cpu", seed=4, offset=0)
     with pytest.raises(ValueError, match="unsupported dtype combination"):
         run_op(_torch_ops, ("sgd",), lists, flag("cpu", 1))
+
+
+# ---- the fallback's fused multiply-add against exact arithmetic -----------------------------------
+
+def round_to_fp32(x):
+    """The fp32 value nearest to the Fraction ``x`` (ties to even), as a Python float: inf beyond
+    fp32's range, subnormals below 2**-126, a zero with the sign of ``x``."""
+    if x == 0:
+        return 0.0
+    sign, x = (-1.0 if x < 0 else 1.0), abs(x)
+    exponent = x.numerator.bit_length() - x.denominator.bit_length()
+    if Fraction(2) ** exponent > x:
+        exponent -= 1
+    quantum = Fraction(2) ** (max(exponent, -126) - 23)  # fp32's ulp there (2**-149 below 2**-126)
+    scaled = x / quantum
+    units, rest = divmod(scaled.numerator, scaled.denominator)
+    rest = Fraction(rest, scaled.denominator)
+    if rest > Fraction(1, 2) or (rest == Fraction(1, 2) and units % 2 == 1):
+        units += 1
+    value = units * quantum
+    return sign * math.inf if value >= 2**128 else sign * float(value)
+
+
+def exact_fma(a, b, c):
+    """fp32(a * b + c) rounded once, from exact rational arithmetic (IEEE rules for zeros, inf, NaN)."""
+    if not all(map(math.isfinite, (a, b, c))):
+        return a * b + c  # inf or NaN, as IEEE arithmetic gives it (nothing to round)
+    exact = Fraction(a) * Fraction(b) + Fraction(c)
+    if exact == 0:  # -0 only as the sum of two negative zeros
+        product_negative = (math.copysign(1, a) * math.copysign(1, b)) < 0
+        return -0.0 if a * b == 0 and product_negative and c == 0 and math.copysign(1, c) < 0 else 0.0
+    return round_to_fp32(exact)
+
+
+def fp32(x):
+    return round_to_fp32(Fraction(x)) if math.isfinite(x) else x
+
+
+def fma_triples(seed=0):
+    """(a, b, c) fp32 triples: random ones over the whole range, and adversarial ones whose fp64 sum
+    lands on or next to an fp32 rounding midpoint (normal, subnormal, at the overflow threshold)."""
+    rng = random.Random(seed)
+
+    def any_fp32():
+        kind = rng.random()
+        if kind < 0.4:
+            return fp32(rng.gauss(0, 1) * 2.0 ** rng.randint(-40, 40))
+        if kind < 0.7:
+            return fp32(rng.uniform(-1, 1) * 2.0 ** rng.randint(-149, 127))
+        return struct.unpack("<f", struct.pack("<I", rng.getrandbits(32)))[0]  # any bits
+
+    triples = [(any_fp32(), any_fp32(), any_fp32()) for _ in range(1500)]
+    for _ in range(500):  # c dominant: a * b = half an ulp of c, give or take 2**-2k of it
+        c = fp32(rng.uniform(-1, 1) * 2.0 ** rng.randint(-120, 120)) or 1.0
+        half_ulp = 2.0 ** (math.frexp(c)[1] - 25)  # c in [2**(e-1), 2**e): ulp 2**(e-24)
+        k, i = rng.randint(6, 23), rng.randint(-20, 20)
+        a = fp32(2.0 ** i * (1 + 2.0 ** -k))
+        b = fp32(half_ulp * 2.0 ** -i * (1 + rng.choice((-1, 1)) * 2.0 ** -k) * rng.choice((-1, 1)))
+        triples += [(a, b, c), (a, fp32(3 * b), c)]
+    for _ in range(300):  # p dominant and itself a midpoint; c tiny or zero
+        k, scale = rng.randint(1, 12), rng.randint(-60, 60)
+        a = fp32(2.0 ** scale * (1 + 2.0 ** -k))
+        b = fp32(2.0 ** -scale * (1 + 2.0 ** (k - 24)) * rng.choice((-1, 1)))
+        triples += [(a, b, fp32(rng.choice((-1, 1)) * 2.0 ** rng.randint(-149, -40))), (a, b, 0.0),
+                    (a, b, -0.0)]
+    # fp32-subnormal midpoints: c = 2**-127 + 2**-149 (odd), a * b = 2**-150 - 2**-196
+    for c in (2.0**-127 + 2.0**-149, 2.0**-127, -(2.0**-127 + 2.0**-149), 2.0**-149, 0.0):
+        for u in (1, 3, 255):
+            a, b = fp32(2.0**-75 * (1 + u * 2.0**-23)), fp32(2.0**-75 * (1 - u * 2.0**-23))
+            triples += [(a, b, c), (a, -b, -c), (a, b, -c)]
+    # the overflow threshold 2**128 - 2**103 = 18631 * 1801 * 2**103, and c pushing either way
+    for c in (2.0**-100, -(2.0**-100), 0.0, 1.0, -1.0, 2.0**100, -(2.0**100)):
+        triples += [(18631.0, 1801.0 * 2.0**103, c), (-18631.0, 1801.0 * 2.0**103, -c)]
+    special = [0.0, -0.0, math.inf, -math.inf, math.nan, 2.0**-149, -(2.0**-149), 2.0**-126,
+               fp32(3.4028234663852886e38), 1.0, -1.0]
+    triples += list(itertools.product(special, repeat=3))
+    return triples
+
+
+def same_fp32_bits(ours, expected):
+    """Bit for bit, signed zeros included; any NaN matches any NaN."""
+    return torch.equal(torch.isnan(ours), torch.isnan(expected)) and torch.equal(
+        torch.where(torch.isnan(ours), 0, ours.view(torch.int32)),
+        torch.where(torch.isnan(expected), 0, expected.view(torch.int32)))
+
+
+def fma_of(name):
+    """The fallback's fma by name, called as fma(a, b, c) with a scratch of its own."""
+    fma = getattr(_torch_ops, name)
+    return lambda a, b, c: fma(a, b, c, _torch_ops._Scratch(b.device, b.numel()), "result")
+
+
+FMAS = {"_fma": fma_of("_fma"), "_fma_cpu": fma_of("_fma_cpu")}
+
+
+@pytest.mark.parametrize("name", FMAS)
+def test_the_fallbacks_fma_rounds_once_like_exact_arithmetic(name):
+    a, b, c = (torch.tensor(column, dtype=torch.float32) for column in zip(*fma_triples()))
+    expected = torch.tensor([exact_fma(*t) for t in zip(a.tolist(), b.tolist(), c.tolist())],
+                            dtype=torch.float32)
+    assert same_fp32_bits(FMAS[name](a, b, c), expected)
+    # a 0-dim coefficient, as the optimizers pass their scalars
+    for coefficient in (0.1, -3.0, 2.0**-140, 1e30):
+        a0 = torch.tensor(coefficient, dtype=torch.float32)
+        expected = torch.tensor([exact_fma(a0.item(), y, z) for y, z in zip(b.tolist(), c.tolist())],
+                                dtype=torch.float32)
+        assert same_fp32_bits(FMAS[name](a0, b, c), expected)
+
+
+def test_the_cpu_fma_is_exact_with_a_midpoint_or_a_subnormal_among_plain_values():
+    # Plain values leave no element to recompute (the fast path alone); a midpoint, or a result in
+    # fp32's subnormal range, sends that element through _fma, and the others must stay right.
+    gen = torch.Generator().manual_seed(7)
+    b, c = torch.randn(5000, generator=gen), torch.randn(5000, generator=gen)
+    a = torch.tensor(0.1)
+    for poke in (None, (2.0**-75 * (1 + 2.0**-23), 2.0**-75 * (1 - 2.0**-23), 2.0**-127 + 2.0**-149),
+                 (2.0**3 * (1 + 2.0**-20), 2.0**3 * (1 - 2.0**-20), 2.0**30 + 2.0**7)):
+        aa, bb, cc = a.expand(5000).clone(), b.clone(), c.clone()
+        if poke is not None:
+            aa[1234], bb[1234], cc[1234] = poke
+            cc[4321] = float("nan")  # a NaN elsewhere must not hide it
+        expected = torch.tensor([exact_fma(*t) for t in zip(aa.tolist(), bb.tolist(), cc.tolist())],
+                                dtype=torch.float32)
+        assert same_fp32_bits(FMAS["_fma_cpu"](aa, bb, cc), expected)

@@ -1,15 +1,18 @@
 // CPU twin of multi_tensor_adam.cu: one Adam/AdamW step per element (adam_element), over
 // [grads, params, exp_avgs, exp_avg_sqs] or [grads, fp32 params, fp32 exp_avgs,
 // fp32 exp_avg_sqs, model_copies].
+#include <type_traits>
+
 #include "multi_tensor_apply_cpu.h"
 
 namespace amp_C {
 namespace cpu {
 namespace {
 
-// kCopy: a model-copy list exists (copy_t is then its element type); param_t is also the state's;
-// kL2, kSmallW1: see adam_element. The lists never overlap (checked by the caller), hence
-// __restrict; `a` is a local copy so that the stores cannot alias it: both let the loop vectorise.
+// kCopy: a model-copy list exists (copy_t is then its element type, or fp32 for a staging block);
+// param_t is also the state's; kL2, kSmallW1: see adam_element. The lists never overlap (checked
+// by the caller), hence __restrict; `a` is a local copy so that the stores cannot alias it: both
+// let the loop vectorise.
 template <bool kCopy, bool kL2, bool kSmallW1, typename grad_t, typename param_t, typename copy_t>
 AMP_INLINE void adam_loop(const grad_t* __restrict grad, param_t* __restrict param,
                           param_t* __restrict exp_avg, param_t* __restrict exp_avg_sq,
@@ -28,6 +31,45 @@ AMP_INLINE void adam_loop(const grad_t* __restrict grad, param_t* __restrict par
   }
 }
 
+// fp16 model copies: the loop writes them as fp32 into a block in L1, which to_half() stores
+// eight at a time (a per-element fp32 -> fp16 conversion would cost the loop most of its speed).
+template <bool kL2, bool kSmallW1, typename grad_t, typename param_t>
+AMP_INLINE void adam_loop_half_copy(const grad_t* grad, param_t* param, param_t* exp_avg,
+                                    param_t* exp_avg_sq, half_t* copy, int64_t n,
+                                    const AdamArgs& args, AdamStepFactors factors,
+                                    float inv_scale) {
+  store_half_in_blocks(copy, n, [&](float* block, int64_t i, int64_t m) {
+    adam_loop<true, kL2, kSmallW1>(grad + i, param + i, exp_avg + i, exp_avg_sq + i, block, m,
+                                   args, factors, inv_scale);
+    return false;
+  });
+}
+
+// Every list fp16 (depth 4): block by block, the lists are widened into fp32 blocks in L1
+// (from_half), the fp32 loop updates the blocks in place, and to_half() stores them back; both
+// conversions take eight elements per instruction with F16C.
+template <bool kL2, bool kSmallW1>
+AMP_INLINE void adam_loop_half_params(const half_t* grad, half_t* param, half_t* exp_avg,
+                                      half_t* exp_avg_sq, int64_t n, const AdamArgs& args,
+                                      AdamStepFactors factors, float inv_scale) {
+  float grad_block[kHalfBlock];
+  float param_block[kHalfBlock];
+  float exp_avg_block[kHalfBlock];
+  float exp_avg_sq_block[kHalfBlock];
+  for (int64_t i = 0; i < n; i += kHalfBlock) {
+    const int64_t m = std::min(kHalfBlock, n - i);
+    from_half(grad_block, grad + i, m);
+    from_half(param_block, param + i, m);
+    from_half(exp_avg_block, exp_avg + i, m);
+    from_half(exp_avg_sq_block, exp_avg_sq + i, m);
+    adam_loop<false, kL2, kSmallW1>(grad_block, param_block, exp_avg_block, exp_avg_sq_block,
+                                    static_cast<float*>(nullptr), m, args, factors, inv_scale);
+    to_half(param + i, param_block, m);
+    to_half(exp_avg + i, exp_avg_block, m);
+    to_half(exp_avg_sq + i, exp_avg_sq_block, m);
+  }
+}
+
 // param_t is also the state's type; the caller checked the combination. No lambdas: everything
 // must inline into the clones of adam_piece to be compiled for them.
 template <bool kL2, bool kSmallW1, typename grad_t, typename param_t>
@@ -40,12 +82,17 @@ AMP_INLINE void adam_options(const TensorLists& lists, const Piece& p, const Ada
   param_t* exp_avg = static_cast<param_t*>(lists.ptr[2][t]) + p.begin;
   param_t* exp_avg_sq = static_cast<param_t*>(lists.ptr[3][t]) + p.begin;
   if (lists.depth == 4) {
-    adam_loop<false, kL2, kSmallW1>(grad, param, exp_avg, exp_avg_sq,
-                                    static_cast<float*>(nullptr), n, args, factors, inv_scale);
+    if constexpr (std::is_same_v<param_t, half_t>) {  // then the grads are fp16 too
+      adam_loop_half_params<kL2, kSmallW1>(grad, param, exp_avg, exp_avg_sq, n, args, factors,
+                                           inv_scale);
+    } else {
+      adam_loop<false, kL2, kSmallW1>(grad, param, exp_avg, exp_avg_sq,
+                                      static_cast<float*>(nullptr), n, args, factors, inv_scale);
+    }
   } else if (lists.dtype[4] == DType::Float16) {
-    adam_loop<true, kL2, kSmallW1>(grad, param, exp_avg, exp_avg_sq,
-                                   static_cast<half_t*>(lists.ptr[4][t]) + p.begin, n, args,
-                                   factors, inv_scale);
+    adam_loop_half_copy<kL2, kSmallW1>(grad, param, exp_avg, exp_avg_sq,
+                                       static_cast<half_t*>(lists.ptr[4][t]) + p.begin, n, args,
+                                       factors, inv_scale);
   } else {
     adam_loop<true, kL2, kSmallW1>(grad, param, exp_avg, exp_avg_sq,
                                    static_cast<bf16_t*>(lists.ptr[4][t]) + p.begin, n, args,

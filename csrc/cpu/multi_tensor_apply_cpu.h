@@ -128,7 +128,10 @@ template <> AMP_INLINE bf16_t from_float<bf16_t>(float x) {
 
 // out[0, n) = fp16(in[0, n)), rounded like from_float<half_t>, eight at a time (to_half_cpu.cpp).
 void to_half(half_t* out, const float* in, int64_t n);
-// Whether to_half() takes its F16C path on this CPU.
+// out[0, n) = fp32(in[0, n)), the values of to_float(half_t), eight at a time (to_half_cpu.cpp);
+// a signalling NaN comes out quiet.
+void from_half(float* out, const half_t* in, int64_t n);
+// Whether to_half() and from_half() take their F16C paths on this CPU.
 bool to_half_uses_f16c();
 
 // Elements of the fp32 staging block of a loop that stores fp16: small enough to stay in L1.

@@ -688,10 +688,9 @@ def _fma_cpu(a, b, c, scratch, out):
                                   out=scratch("fma_cpu.magnitude", torch.int32, n))
     midpoints, tiny = bool(low.amin() == 0), bool(magnitude.amin() <= _FP32_MIN_NORMAL_BITS)
     if midpoints or tiny:
-        suspect = low == 0 if midpoints else None
+        suspect = low == 0
         if tiny:
-            nonzero_tiny = (magnitude <= _FP32_MIN_NORMAL_BITS).logical_and_(s != 0)
-            suspect = nonzero_tiny if suspect is None else suspect.logical_or_(nonzero_tiny)
+            suspect.logical_or_((magnitude <= _FP32_MIN_NORMAL_BITS).logical_and_(s != 0))
         index = suspect.nonzero().squeeze(1)
         r[index] = _fma(a if a.dim() == 0 else a[index], b[index], c[index], scratch, "fma_cpu.fix")
     return r

@@ -112,7 +112,9 @@ def _probe_rnn_internals():
     missing = [api for api, found in (
         ("torch.nn.modules.rnn._VF", hasattr(rnn, "_VF")),
         ("torch.nn.RNNBase.check_input", hasattr(rnn.RNNBase, "check_input")),
-        ("torch.nn.RNNBase._flat_weights", hasattr(torch.nn.RNN(1, 1), "_flat_weights")),
+        # On the meta device: building an RNN on the CPU would draw from the global RNG, so that
+        # `import amp` after seeding would change the user's random numbers.
+        ("torch.nn.RNNBase._flat_weights", hasattr(torch.nn.RNN(1, 1, device="meta"), "_flat_weights")),
     ) if not found]
     if missing:
         return _missing(" and ".join(missing), _ADVICE + ", or use O2/O3, which patch no RNNs")

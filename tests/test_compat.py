@@ -137,3 +137,14 @@ def test_importing_amp_warns_about_nothing():
     result = subprocess.run([sys.executable, "-W", "error", "-c", "import amp"], cwd=REPO, env=env,
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_importing_amp_draws_no_random_numbers():
+    # A script that seeds, builds its model, then imports amp (Lightning imports apex.amp that late)
+    # must see the random numbers it would see without amp: the probes run at import.
+    script = ("import torch; torch.manual_seed(0); before = torch.get_rng_state(); "
+              "import amp, amp.optimizers, amp.parallel, fp16_utils; "
+              "assert torch.equal(torch.get_rng_state(), before), 'import amp drew random numbers'")
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr

@@ -51,14 +51,29 @@ def _smaller(a, b):
     return min(a, b)
 
 
+def _peak_magnitude(grads):
+    """The largest magnitude in ``grads`` as a 0-dim fp32 tensor, NaN if an element is NaN.
+
+    On the CPU ``aminmax`` per tensor reads each grad once at about a copy's speed, where
+    ``_foreach_norm(inf)`` first widens it (about 12x slower on fp16); elsewhere ``_foreach_norm``
+    is one launch for the whole list.
+    """
+    grads = [g for g in grads if g.numel() > 0]  # both would refuse an empty tensor
+    if not grads:
+        return torch.zeros((), dtype=torch.float32)
+    if all(g.device.type == "cpu" for g in grads):
+        extremes = [torch.aminmax(g) for g in grads]
+        return torch.stack([torch.maximum(-low, high) for low, high in extremes]).amax().float()
+    return torch.stack(foreach_norm(grads, float("inf"), dtype=torch.float32)).amax()
+
+
 def _flag_non_finite(flag, grads, inv_scale):
     """Set ``flag`` (1-element fp32) if a grad is not finite or overflows fp32 once unscaled; grads are only read.
 
     The largest magnitude decides both: rounding is monotonic, so if it unscales to a finite value,
     every element does.
     """
-    peak = torch.stack(foreach_norm(grads, float("inf"), dtype=torch.float32)).amax()
-    bad = torch.isfinite(peak * inv_scale).logical_not().to(flag.dtype).reshape(1)
+    bad = torch.isfinite(_peak_magnitude(grads) * inv_scale).logical_not().to(flag.dtype).reshape(1)
     torch.maximum(flag, bad, out=flag)
 
 

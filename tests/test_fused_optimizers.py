@@ -510,3 +510,44 @@ def test_steps_read_nothing_on_the_host_once_state_exists(name, opt_level):
             optimizer.zero_grad()
     assert reads == []
     assert int(amp.skipped_steps(optimizer)) == (opt_level != "O5")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("poison", [None, "nan", "inf", "-inf"])
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_the_read_only_overflow_check_finds_the_peak_magnitude(dtype, poison, where):
+    # The check at the scale_loss exit of a fused step without master grads: its CPU path (aminmax
+    # per tensor) against torch's inf-norm over the whole list, empty tensors among them.
+    from amp._fused_master_weights import _peak_magnitude
+    gen = torch.Generator().manual_seed(3)
+    grads = [(torch.randn(n, generator=gen) * 100).to(dtype) for n in (0, 5, 70000, 0, 1, 3000)]
+    grads[2][123] = -30000.0  # the peak, negative
+    if poison is not None:
+        target = {"first": grads[1], "middle": grads[2], "last": grads[5]}[where]
+        target[{"first": 0, "middle": target.numel() // 2, "last": -1}[where]] = float(poison)
+    non_empty = [g for g in grads if g.numel() > 0]  # torch's inf-norm refuses an empty tensor
+    expected = torch.stack(torch._foreach_norm(non_empty, float("inf"), dtype=torch.float32)).amax()
+    ours = _peak_magnitude(grads)
+    assert ours.dtype == torch.float32 and ours.dim() == 0
+    assert torch.equal(ours, expected) or (ours.isnan() and expected.isnan())
+    if poison is None:
+        assert ours.item() == -grads[2][123].float().item()
+    assert _peak_magnitude([torch.empty(0, dtype=dtype)]).item() == 0.0
+
+
+@pytest.mark.parametrize("opt_level", ["O2", "O5"])
+def test_an_empty_parameter_does_not_break_the_fused_step(opt_level):
+    # The read-only overflow check used to call torch's inf-norm, which refuses an empty tensor.
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    model.register_parameter("empty", nn.Parameter(torch.zeros(0)))
+    before = model.weight.detach().clone()
+    model, optimizer = amp.initialize(model, FusedAdam(model.parameters(), lr=0.1), opt_level=opt_level,
+                                      loss_scale="dynamic", verbosity=0)
+    x = torch.randn(2, 4).to(LOW_DTYPE[opt_level])
+    loss = model(x).float().sum() * 1e-4 + model.empty.float().sum()  # no overflow at 2**16
+    with amp.scale_loss(loss, optimizer) as scaled:
+        scaled.backward()
+    optimizer.step()
+    assert amp.last_step_applied(optimizer)
+    assert not torch.equal(model.weight.float(), before.to(model.weight.dtype).float())

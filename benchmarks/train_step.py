@@ -66,6 +66,9 @@ def small_cnn():
 SIZES = {
     "small": dict(gpt=(512, 128, 4, 2, 64, 8), cnn=32),
     "large": dict(gpt=(8192, 1024, 16, 8, 256, 16), cnn=256),
+    # Many parameters (21M) and few tokens: the step after backward, which moves bytes per
+    # parameter, weighs as it does on a GPU, where the matmuls are fast.
+    "wide": dict(gpt=(8192, 512, 8, 4, 8, 1), cnn=8),
 }
 
 
@@ -296,7 +299,8 @@ def main():
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     parser.add_argument("--workload", choices=["gpt", "cnn", "both"], default="both")
     parser.add_argument("--size", choices=list(SIZES), default="small",
-                        help="model and batch size (default: small; large is for a GPU)")
+                        help="model and batch size (default: small; wide: 21M parameters, few tokens,"
+                             " so that the post-backward step weighs as on a GPU; large is for a GPU)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per measurement")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=5, help="interleaved repetitions")

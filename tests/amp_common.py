@@ -9,6 +9,8 @@ compare and with which tolerance.
 import contextlib
 import copy
 import functools
+import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +18,17 @@ from torch import nn
 
 import amp
 from amp.frontend import OPT_LEVELS
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def load_script(relative_path):
+    """A file of the repository outside the packages (examples/, tools/, benchmarks/) as a module."""
+    path = REPO / relative_path
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @functools.lru_cache(maxsize=None)

@@ -3,10 +3,7 @@ refused, SyncBatchNorm on CPU/gloo, and DDP + SyncBatchNorm + LARC + amp O2 on t
 
 One spawn of two gloo ranks runs every scenario; each rank writes what it saw to a JSON file.
 """
-import gc
 import json
-import os
-import sys
 
 import pytest
 import torch
@@ -17,7 +14,7 @@ from torch import nn
 import amp
 from amp.parallel import LARC, DistributedDataParallel, SyncBatchNorm, convert_syncbn_model
 from amp_common import batch, loss_of, net
-from test_distributed import WORLD, free_port, same_on_every_rank
+from test_distributed import WORLD, finish, free_port, same_on_every_rank
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
@@ -119,14 +116,7 @@ def worker(rank, port, out_dir):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     results = dict(reduction=reduction_scenario(rank), buckets=bucket_scenario(),
                    syncbn=syncbn_scenario(rank), recipe=apex_recipe_scenario(rank))
-    gc.collect()
-    dist.barrier()
-    dist.destroy_process_group()
-    with open(f"{out_dir}/rank{rank}.json", "w") as file:
-        json.dump(results, file)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # see tests/test_distributed.py: gloo's teardown can abort after success
+    finish(rank, results, out_dir)
 
 
 @pytest.fixture(scope="module")

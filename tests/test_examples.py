@@ -4,7 +4,6 @@ Each one runs as a subprocess from the repository root with the repository on PY
 smoke run exits 1 by itself when it did not learn, and prints "first ... last ..." lines that
 are checked here as well.
 """
-import importlib.util
 import json
 import math
 import os
@@ -18,23 +17,14 @@ import matplotlib.image
 import pytest
 import torch
 
-from amp_common import LEVELS
+from amp_common import LEVELS, load_script
 
 REPO = Path(__file__).resolve().parents[1]
 TREND = re.compile(r"first(?: loss)? (\S+) last(?: loss)? (\S+)")
 SKIPPED = re.compile(r"(\d+) of (\d+) steps skipped")  # the simple example's count, from amp.skipped_steps
 
 
-def load(relative_path):
-    """A file of examples/ (not a package) as a module."""
-    path = REPO / relative_path
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-curves = load("examples/simple/curves.py")
+curves = load_script("examples/simple/curves.py")
 
 
 def run(*args, timeout=180):

@@ -4,7 +4,6 @@ The GPU phases themselves run only on a GPU machine; here the script is run wher
 no GPU, and the summary is built from small logs written in the formats the phases produce.
 """
 import argparse
-import importlib.util
 import json
 import math
 import os
@@ -19,21 +18,13 @@ import torch
 
 import amp.check as amp_check
 from amp import _torch_ops
+from amp_common import load_script
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tools" / "gpu_check.sh"
 
 
-def load(relative_path):
-    """A script of the repository (tools/ and benchmarks/ are not packages) as a module."""
-    path = REPO / relative_path
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-summary = load("tools/gpu_check_summary.py")
+summary = load_script("tools/gpu_check_summary.py")
 
 DEVICE = "NVIDIA H100 80GB HBM3 (capability 9.0); torch 2.11.0+cu130 (CUDA 13.0); Python 3.12.3"
 BUILD_OK = f"""gpu_check: device {DEVICE}
@@ -240,7 +231,7 @@ def test_the_summary_reads_the_ratios_unscale_benchmark_prints(tmp_path, monkeyp
     fake_amp_C = types.SimpleNamespace(cuda_available=lambda: False, **{
         name: getattr(_torch_ops, name) for name in ("multi_tensor_scale", "multi_tensor_l2norm")})
     monkeypatch.setitem(sys.modules, "amp_C", fake_amp_C)
-    unscale = load("benchmarks/unscale.py")
+    unscale = load_script("benchmarks/unscale.py")
     monkeypatch.setattr(unscale, "gpt_ish_shapes", lambda: [(64, 32), (32,)])
     monkeypatch.setattr(sys, "argv", ["unscale.py", "--reps", "1"])
     unscale.main()
@@ -250,7 +241,7 @@ def test_the_summary_reads_the_ratios_unscale_benchmark_prints(tmp_path, monkeyp
 
 
 def test_the_summary_reads_the_json_train_step_writes(tmp_path):
-    train_step = load("benchmarks/train_step.py")
+    train_step = load_script("benchmarks/train_step.py")
     table = {name: {"step": 0.01, "overhead": 0.001, "peak": math.nan} for name in train_step.CONFIGS}
     table["amp O2 (fp16)"]["step"] = 0.008
     train_step.write_json(tmp_path / "train_step.json", torch.device("cpu"),

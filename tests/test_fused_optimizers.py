@@ -518,6 +518,7 @@ def test_steps_read_nothing_on_the_host_once_state_exists(name, opt_level):
 def test_the_read_only_overflow_check_finds_the_peak_magnitude(dtype, poison, where):
     # The check at the scale_loss exit of a fused step without master grads: its CPU path (aminmax
     # per tensor) against torch's inf-norm over the whole list, empty tensors among them.
+    from amp._compat import foreach_norm  # torch's _foreach_norm has no dtype before 2.4
     from amp._fused_master_weights import _peak_magnitude
     gen = torch.Generator().manual_seed(3)
     grads = [(torch.randn(n, generator=gen) * 100).to(dtype) for n in (0, 5, 70000, 0, 1, 3000)]
@@ -526,7 +527,7 @@ def test_the_read_only_overflow_check_finds_the_peak_magnitude(dtype, poison, wh
         target = {"first": grads[1], "middle": grads[2], "last": grads[5]}[where]
         target[{"first": 0, "middle": target.numel() // 2, "last": -1}[where]] = float(poison)
     non_empty = [g for g in grads if g.numel() > 0]  # torch's inf-norm refuses an empty tensor
-    expected = torch.stack(torch._foreach_norm(non_empty, float("inf"), dtype=torch.float32)).amax()
+    expected = torch.stack(foreach_norm(non_empty, float("inf"), dtype=torch.float32)).amax()
     ours = _peak_magnitude(grads)
     assert ours.dtype == torch.float32 and ours.dim() == 0
     assert torch.equal(ours, expected) or (ours.isnan() and expected.isnan())

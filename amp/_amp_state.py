@@ -8,25 +8,23 @@ pokes it (``amp._amp_state.loss_scalers[0]``). The O1/O4 function patches are pr
 their latest handle lives there too (``handle``); each context keeps its own run's casting policy,
 which its models apply inside their forward (``casting/policy.py``).
 
-Diagnostics go through ``logging.getLogger("amp")`` (configuration at INFO, skipped steps at
-WARNING), so applications can filter or redirect them; ``verbosity=0`` silences them.
+``verbosity`` here is also what messages that belong to no run follow (``_logging.maybe_print``).
 """
 from __future__ import annotations
 
 import gc
-import logging
 import warnings
 import weakref
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import torch.distributed as dist
 
+from ._logging import follow_verbosity
+
 if TYPE_CHECKING:
     from .casting.handle import AmpHandle, NoOpHandle
     from .frontend import Properties
     from .scaler import LossScaler
-
-logger = logging.getLogger("amp")
 
 
 class AmpContext:
@@ -115,20 +113,7 @@ class AmpState:
 
 
 _amp_state = AmpState()
-
-
-def _is_rank_zero() -> bool:
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
-
-
-def maybe_print(msg: str, rank0: bool = False, verbosity: int | None = None) -> None:
-    """Log ``msg`` at INFO to the ``amp`` logger unless verbosity is 0 (with ``rank0``, only on rank 0).
-
-    ``verbosity`` defaults to the latest ``initialize``'s.
-    """
-    verbosity = _amp_state.verbosity if verbosity is None else verbosity
-    if verbosity > 0 and (not rank0 or _is_rank_zero()):
-        logger.info(msg)
+follow_verbosity(lambda: _amp_state.verbosity)
 
 
 def warn_or_err(msg: str) -> None:

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 import torch
 
-from ._amp_state import _is_rank_zero
-from ._amp_state import logger as amp_logger
+from ._logging import is_rank_zero
+from ._logging import logger as amp_logger
 
 if TYPE_CHECKING:
     from .scaler import LossScaler
@@ -124,7 +124,7 @@ class OverflowReporter:
         )
 
     def _log(self, message: str) -> None:
-        if self.verbosity > 0 and _is_rank_zero():
+        if self.verbosity > 0 and is_rank_zero():
             self.logger.warning(message)
 
     def _streak_message(self, consecutive_skips: int, culprits: list[str]) -> str:

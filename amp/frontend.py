@@ -12,7 +12,8 @@ import torch.distributed as dist
 from torch import nn
 
 from . import _checkpoint
-from ._amp_state import AmpContext, _amp_state, maybe_print, warn_or_err
+from ._amp_state import AmpContext, _amp_state, warn_or_err
+from ._logging import maybe_print
 from ._initialize import _initialize
 from ._optimizer_wrappers import OptimizerLike, OptimizerWrapper, is_optimizer
 

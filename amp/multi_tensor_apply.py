@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterator, Sequence, TypeVar, Union
 import torch
 
 from amp import _torch_ops
-from amp._amp_state import maybe_print
+from amp._logging import maybe_print
 from amp._compat import local_tensor
 
 _import_error: ImportError | None

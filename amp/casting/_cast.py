@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 from torch.nn import Parameter
 
-from .._amp_state import logger
+from .._logging import logger
 from .._compat import is_compiling
 
 FLOATING = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64))

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from .._amp_state import _amp_state
-from .._amp_state import logger
+from .._logging import logger
 from . import lists, policy, rnn
 from ._cast import CastCache
 from .registry import Registration, consume_registry

@@ -13,7 +13,6 @@ which its models apply inside their forward (``casting/policy.py``).
 from __future__ import annotations
 
 import gc
-import warnings
 import weakref
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
@@ -23,18 +22,18 @@ from ._logging import follow_verbosity
 
 if TYPE_CHECKING:
     from .casting.handle import AmpHandle, NoOpHandle
-    from .frontend import Properties
+    from .options import Options
     from .scaler import LossScaler
 
 
 class AmpContext:
-    """What one ``amp.initialize`` call configured: options (``Properties``) and loss scalers."""
+    """What one ``amp.initialize`` call configured: options and loss scalers."""
 
-    def __init__(self, properties: Properties, loss_scalers: Iterable[LossScaler] = (), verbosity: int = 1,
+    def __init__(self, options: Options, loss_scalers: Iterable[LossScaler] = (), verbosity: int = 1,
                  overflow_process_group: dist.ProcessGroup | None = None,
                  min_loss_scale: float | None = None, max_loss_scale: float | None = 2.0**24,
                  max_steps_at_scale_floor: int = 0) -> None:
-        self.properties = properties
+        self.options = options
         self.loss_scalers = list(loss_scalers)
         self.verbosity = verbosity
         self.overflow_process_group = overflow_process_group
@@ -50,7 +49,7 @@ class AmpContext:
 
     @property
     def enabled(self) -> bool:
-        return self.properties.enabled
+        return self.options.enabled
 
     def track(self, objects: Iterable[object]) -> None:
         """Follow ``objects`` (the call's models and optimizers) weakly: the run is live while one is."""
@@ -74,7 +73,7 @@ class AmpState:
         self.hard_override = False
         self.allow_incoming_model_not_fp32 = False
         self.verbosity = 1
-        self.opt_properties: Properties | None = None
+        self.opt_properties: Options | None = None
         self.loss_scalers: list[LossScaler] = []
         self.handle: AmpHandle | NoOpHandle | None = None
         self.min_loss_scale: float | None = None
@@ -89,7 +88,7 @@ class AmpState:
     def publish(self, context: AmpContext) -> None:
         """Make ``context`` the latest one, as Apex's global fields show it."""
         self.context = context
-        self.opt_properties = context.properties
+        self.opt_properties = context.options
         self.loss_scalers = context.loss_scalers
         self.verbosity = context.verbosity
         self.min_loss_scale = context.min_loss_scale
@@ -115,10 +114,3 @@ class AmpState:
 _amp_state = AmpState()
 follow_verbosity(lambda: _amp_state.verbosity)
 
-
-def warn_or_err(msg: str) -> None:
-    """Raise ``RuntimeError(msg)``, or only warn when ``_amp_state.hard_override`` is set."""
-    if _amp_state.hard_override:
-        warnings.warn(msg, stacklevel=3)
-    else:
-        raise RuntimeError(msg)

@@ -68,7 +68,7 @@ def _describe_saved(state):
 
 
 def _describe_live(runs):
-    described = [f"{context.properties.opt_level} with {len(context.loss_scalers)} loss scaler(s) "
+    described = [f"{context.options.opt_level} with {len(context.loss_scalers)} loss scaler(s) "
                  f"({_kinds(s.dynamic for s in context.loss_scalers)})" for context in runs]
     return f"{len(described)} run(s): " + "; ".join(described)
 

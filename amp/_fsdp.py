@@ -138,9 +138,9 @@ class ShardedRun:
 
 def plan(models, optimizers, context):
     """Check FSDP models against ``context``'s options; a ``ShardedRun`` for FSDP2, else None."""
-    properties = context.properties
+    options = context.options
     for model in models:
-        if properties.enabled and properties.opt_level != "O0" and any(map(_is_fsdp1, model.modules())):
+        if options.enabled and options.opt_level != "O0" and any(map(_is_fsdp1, model.modules())):
             raise RuntimeError(
                 "amp does not support FullyShardedDataParallel (FSDP1): its flat parameters hide the "
                 "model's dtypes and shards from amp. Use FSDP2 instead (torch.distributed.fsdp."
@@ -160,14 +160,14 @@ def plan(models, optimizers, context):
                 raise RuntimeError("An optimizer holds parameters that the fully_shard model does not "
                                    "have (fully_shard replaces them): build the optimizer on "
                                    "model.parameters() after fully_shard. " + _HOW_TO_ORDER)
-    cast_type = properties.cast_model_type if properties.enabled else None
+    cast_type = options.cast_model_type if options.enabled else None
     policies = []
     if cast_type in LOW_PRECISION_DTYPES:
-        if not properties.master_weights:
-            raise RuntimeError(f"{properties.opt_level} keeps no fp32 master weights, which has no "
+        if not options.master_weights:
+            raise RuntimeError(f"{options.opt_level} keeps no fp32 master weights, which has no "
                                "FSDP2 form: use O2 (fp16) or O5 (bf16), whose masters are the "
                                "sharded fp32 parameters.")
-        policies = [(unit, _policy_for(unit, managed, cast_type, properties.keep_batchnorm_fp32))
+        policies = [(unit, _policy_for(unit, managed, cast_type, options.keep_batchnorm_fp32))
                     for unit, managed in units]
     group = _mesh_group(models) if context.overflow_process_group is None else None
     return ShardedRun(models, policies, group)

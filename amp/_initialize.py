@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from . import _fsdp, casting
-from ._amp_state import _amp_state, warn_or_err
+from ._amp_state import _amp_state
+from ._apex_compat import warn_or_err
 from ._master_weights import LOW_PRECISION_DTYPES, check_trainable_dtype, convert_network
 from ._model_hooks import cast_forward, register_fp32_state_dict_hooks, to_type
 from ._optimizer_wrappers import is_optimizer, is_optimizer_wrapper
@@ -42,7 +43,8 @@ def _check_params_fp32(models):
                 warn_or_err(
                     f"Found param or buffer {name} with dtype {tensor.dtype}. When using "
                     "amp.initialize, you do not need to call .half() or .bfloat16() on your model "
-                    "before passing it, no matter what optimization level you choose.")
+                    "before passing it, no matter what optimization level you choose.",
+                    _amp_state.hard_override)
 
 
 def _as_model_list(models):
@@ -120,7 +122,7 @@ def _check_param_dtypes(param_names, optimizers):
 def _initialize(models, optimizers, context, num_losses, cast_model_outputs, scaler_options,
                 max_consecutive_skips):
     """Check everything, then change models and optimizers; a call that raises changes nothing."""
-    properties = context.properties
+    options = context.options
     models, models_was_list = _as_model_list(models)
     optimizers, optimizers_container = _as_optimizer_list(optimizers)
     _check_optimizers(optimizers)
@@ -129,16 +131,16 @@ def _initialize(models, optimizers, context, num_losses, cast_model_outputs, sca
     param_names = _named_params(models)
     _check_param_dtypes(param_names, optimizers)
     sharded = _fsdp.plan(models, optimizers, context)
-    loss_scalers = [LossScaler(properties.loss_scale, **scaler_options) for _ in range(num_losses)]
+    loss_scalers = [LossScaler(options.loss_scale, **scaler_options) for _ in range(num_losses)]
 
     # Nothing below raises on user input: from here on, models and optimizers change.
     # Masters start from the exact fp32 values, taken before the model is cast.
     fp32_values = {}
-    cast_type = properties.cast_model_type
+    cast_type = options.cast_model_type
     if sharded is not None:
         sharded.apply(context)
     _fsdp.remember_unsharded(models, context)
-    if properties.master_weights and cast_type in LOW_PRECISION_DTYPES and not context.sharded_masters:
+    if options.master_weights and cast_type in LOW_PRECISION_DTYPES and not context.sharded_masters:
         for model in models:
             for param in model.parameters():
                 if param.dtype == torch.float32:
@@ -148,7 +150,7 @@ def _initialize(models, optimizers, context, num_losses, cast_model_outputs, sca
         for model in models:
             if context.sharded_masters:
                 pass  # FSDP2 casts the gathered params by the policy amp set
-            elif properties.keep_batchnorm_fp32:
+            elif options.keep_batchnorm_fp32:
                 convert_network(model, cast_type)
             else:
                 model.to(cast_type)
@@ -175,8 +177,8 @@ def _initialize(models, optimizers, context, num_losses, cast_model_outputs, sca
     # An earlier O1/O4 run's patches stay installed: its models keep its casts in their forward.
     # Only a run still alive can be affected by the new policy outside every model.
     earlier = _amp_state.live_runs(collect=True)
-    context.casting_policy = casting.use_run_policy(properties, context.verbosity == 2,
-                                                    earlier[-1].properties.opt_level if earlier else None)
+    context.casting_policy = casting.use_run_policy(options, context.verbosity == 2,
+                                                    earlier[-1].options.opt_level if earlier else None)
     for model in models:
         casting.track_forward(model, context.casting_policy)
     _amp_state.publish(context)

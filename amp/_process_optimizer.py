@@ -188,7 +188,7 @@ class OptimizerController:
                  max_consecutive_skips: int) -> None:
         self.optimizer = optimizer
         self.context = context
-        self.patch_torch_functions = context.properties.patch_torch_functions
+        self.patch_torch_functions = context.options.patch_torch_functions
         self.param_names = param_names
         self.lazy_init_called = False
         self.already_patched = False  # Apex field; stays False: step is never re-patched here
@@ -655,7 +655,7 @@ def _process_optimizer(optimizer, context, param_names, fp32_values, max_consecu
 
     ``amp.initialize`` has checked the optimizer already (see ``ATTACHED_METHODS``).
     """
-    masters = context.properties.master_weights and not context.sharded_masters
+    masters = context.options.master_weights and not context.sharded_masters
     kind = WithMasterWeights if masters else WithoutMasterWeights
     if kind is WithMasterWeights:
         # amp.optimizers name their own controller, so amp never imports them.

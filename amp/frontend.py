@@ -1,21 +1,25 @@
-"""``amp.initialize``: opt-level presets, the ``Properties`` that validate overrides, and amp's state dict.
+"""``amp.initialize`` and what reads a run back: ``state_dict``, ``load_state_dict``, ``master_params``,
+the loss scale and the skip counts.
 
-The opt-level table below is the single source of truth for what each preset means.
+``initialize`` checks its own arguments, turns the opt level and the overrides into the run's
+``Options`` (``options.py``, where the opt-level presets live), and hands models and optimizers
+to ``_initialize``. ``Properties`` is Apex's mutable form of the options, kept for code that
+builds one.
 """
 from __future__ import annotations
 
-from typing import (TYPE_CHECKING, Any, Iterator, List, Mapping, NamedTuple, Tuple, TypeVar, Union,
-                    overload)
+from typing import TYPE_CHECKING, Any, Iterator, List, Mapping, Tuple, TypeVar, Union, overload
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from . import _checkpoint
-from ._amp_state import AmpContext, _amp_state, warn_or_err
-from ._logging import maybe_print
+from ._amp_state import AmpContext, _amp_state
 from ._initialize import _initialize
+from ._logging import maybe_print
 from ._optimizer_wrappers import OptimizerLike, OptimizerWrapper, is_optimizer
+from .options import OPT_LEVELS, Options, check_bool, check_option, patch_type_of
 
 if TYPE_CHECKING:
     from ._process_optimizer import OptimizerController
@@ -24,55 +28,17 @@ if TYPE_CHECKING:
 __all__ = ["initialize", "state_dict", "load_state_dict", "master_params", "last_step_applied",
            "skipped_steps", "loss_scale", "loss_scale_tensor", "loss_scaler", "Properties"]
 
-CAST_MODEL_TYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-class OptLevel(NamedTuple):
-    """One preset: what it does, the dtype O1/O4 patch torch functions to, and its options."""
-
-    brief: str
-    patch_type: torch.dtype | None
-    options: dict[str, Any]
-
-
-# Every preset also sets enabled=True and opt_level.
-OPT_LEVELS = {
-    "O0": OptLevel("Pure FP32 training.", None, dict(
-        cast_model_type=torch.float32, patch_torch_functions=False, keep_batchnorm_fp32=None,
-        master_weights=False, loss_scale=1.0)),
-    "O1": OptLevel("Insert automatic casts around PyTorch functions and Tensor methods (FP16).",
-                   torch.float16, dict(
-        cast_model_type=None, patch_torch_functions=True, keep_batchnorm_fp32=None,
-        master_weights=None, loss_scale="dynamic")),
-    "O2": OptLevel("FP16 training with FP32 batchnorm and FP32 master weights.", None, dict(
-        cast_model_type=torch.float16, patch_torch_functions=False, keep_batchnorm_fp32=True,
-        master_weights=True, loss_scale="dynamic")),
-    "O3": OptLevel("Pure FP16 training.", None, dict(
-        cast_model_type=torch.float16, patch_torch_functions=False, keep_batchnorm_fp32=False,
-        master_weights=False, loss_scale=1.0)),
-    "O4": OptLevel("Insert automatic casts around PyTorch functions and Tensor methods (BF16).",
-                   torch.bfloat16, dict(
-        cast_model_type=None, patch_torch_functions=True, keep_batchnorm_fp32=None,
-        master_weights=None, loss_scale=1.0)),
-    "O5": OptLevel("BF16 training with FP32 batchnorm and FP32 master weights.", None, dict(
-        cast_model_type=torch.bfloat16, patch_torch_functions=False, keep_batchnorm_fp32=True,
-        master_weights=True, loss_scale=1.0)),
-}
-
 
 class Properties:
-    """The options of the current opt level; assigning an option validates it against the level."""
+    """Apex's options object: the options of one opt level, each assignment checked against it.
+
+    amp itself keeps an immutable :class:`~amp.options.Options` per run; this mutable form stays
+    for code written for Apex. A check that fails raises, or with ``_amp_state.hard_override``
+    only warns, as ``initialize`` does.
+    """
 
     def __init__(self) -> None:
-        self.options: dict[str, Any] = {
-            "enabled": False,
-            "opt_level": None,
-            "cast_model_type": None,
-            "patch_torch_functions": False,
-            "keep_batchnorm_fp32": None,
-            "master_weights": None,
-            "loss_scale": 1.0,
-        }
+        self.options: dict[str, Any] = Options().options
 
     def __getattr__(self, name: str) -> Any:
         options = self.__dict__.get("options", {})
@@ -83,8 +49,7 @@ class Properties:
     @property
     def patch_torch_functions_type(self) -> torch.dtype | None:
         """The low-precision dtype O1/O4 casts to, or None when functions are not patched."""
-        level = OPT_LEVELS.get(self.opt_level)
-        return level.patch_type if level is not None and self.patch_torch_functions else None
+        return patch_type_of(self.opt_level, self.patch_torch_functions)
 
     def __setattr__(self, name: str, value: Any) -> None:
         if "options" not in self.__dict__:
@@ -92,58 +57,11 @@ class Properties:
             return
         if name not in self.options:
             raise AttributeError(f"'{type(self).__name__}' has no option '{name}'")
-        level = OPT_LEVELS.get(self.opt_level)
-        patching_level = level is not None and level.patch_type is not None
-        if name == "cast_model_type":
-            if patching_level and value not in (None, False, torch.float32):
-                warn_or_err(f"{self.opt_level} inserts casts around Torch functions rather than "
-                            f"casting model weights, so with {self.opt_level} cast_model_type should "
-                            "be None (or torch.float32); use O2/O5 to cast the model.")
-            if value not in (None, False) and value not in CAST_MODEL_TYPES:
-                raise TypeError("cast_model_type must be torch.float16, torch.bfloat16, "
-                                f"torch.float32, None or False, got {value!r}.")
-        elif name == "patch_torch_functions":
-            _check_bool("patch_torch_functions", value)
-            if value and not patching_level:
-                warn_or_err("Currently, patch_torch_functions=True should only be set by selecting "
-                            "opt_level='O1' (or 'O4' for bfloat16).")
-        elif name == "keep_batchnorm_fp32":
-            if patching_level and value is not None:
-                warn_or_err(f"With opt_level {self.opt_level}, batchnorm functions are automatically "
-                            "patched to run in FP32, so keep_batchnorm_fp32 should be None.")
-            if value in ("True", "False"):
-                value = value == "True"
-            if value not in (True, False, None):
-                raise ValueError("keep_batchnorm_fp32 must be True, False, None, 'True' or 'False', "
-                                 f"got {value!r}.")
-        elif name == "master_weights":
-            if value is not None:
-                _check_bool("master_weights", value)
-            if patching_level and value is not None:
-                warn_or_err(f"It doesn't make sense to use master_weights with {self.opt_level}: with "
-                            f"{self.opt_level} your model weights themselves should be FP32.")
-        elif name == "loss_scale":
-            if isinstance(value, bool):
-                raise TypeError(f"loss_scale must be 'dynamic' or a positive number, got {value!r}; "
-                                "a bool is not a loss scale.")
-            if value != "dynamic":
-                try:
-                    value = float(value)
-                except (TypeError, ValueError):
-                    raise ValueError(f"loss_scale must be 'dynamic' or a positive number, got {value!r}.")
-                if not value > 0 or value == float("inf"):
-                    raise ValueError(f"loss_scale must be a positive finite number, got {value!r}.")
-        self.options[name] = value
+        self.options[name] = check_option(self.opt_level, name, value, _amp_state.hard_override)
 
 
 def _options_table(options: Mapping[str, Any]) -> str:
     return "\n".join(f"{key:22} : {value}" for key, value in options.items())
-
-
-def _check_bool(name: str, value: object) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be True or False, got {value!r}"
-                        + (" (a string, not a bool)." if isinstance(value, str) else "."))
 
 
 def _check_positive_int(name: str, value: object) -> None:
@@ -166,7 +84,7 @@ def _check_arguments(enabled: object, opt_level: object, verbosity: object, num_
                      max_consecutive_skips: object, overflow_process_group: object,
                      max_steps_at_scale_floor: object) -> None:
     """Every check of initialize's own arguments that needs no model or optimizer."""
-    _check_bool("enabled", enabled)
+    check_bool("enabled", enabled)
     if isinstance(verbosity, bool) or verbosity not in (0, 1, 2):
         raise ValueError(f"verbosity must be 0, 1 or 2, got {verbosity!r}.")
     if not enabled:
@@ -189,19 +107,6 @@ def _check_arguments(enabled: object, opt_level: object, verbosity: object, num_
         raise TypeError("cast_model_outputs must be a floating-point torch.dtype (e.g. "
                         f"torch.float32) or None, got {cast_model_outputs!r}.")
     _check_process_group(overflow_process_group)
-
-
-def _properties_for(opt_level: str, overrides: Mapping[str, Any]) -> Properties:
-    """A new ``Properties`` for ``opt_level`` with the user's non-None overrides applied (validated)."""
-    properties = Properties()
-    properties.enabled = True
-    properties.opt_level = opt_level
-    for key, value in OPT_LEVELS[opt_level].options.items():
-        properties.options[key] = value
-    for key, value in overrides.items():
-        if value is not None:
-            setattr(properties, key, value)
-    return properties
 
 
 # What initialize gives back is what it was given: a model or a list of them, and, when
@@ -296,11 +201,11 @@ def initialize(models: _Models, optimizers: _Optimizers | None = None, enabled: 
     overrides = dict(cast_model_type=cast_model_type, patch_torch_functions=patch_torch_functions,
                      keep_batchnorm_fp32=keep_batchnorm_fp32, master_weights=master_weights,
                      loss_scale=loss_scale)
-    properties = _properties_for(opt_level, overrides)
+    options = Options.for_level(opt_level, overrides, lenient=_amp_state.hard_override)
     scaler_options = dict(min_loss_scale=min_loss_scale, max_loss_scale=max_loss_scale,
                           growth_factor=growth_factor, growth_interval=growth_interval,
                           backoff_factor=backoff_factor, hysteresis=hysteresis)
-    context = AmpContext(properties, verbosity=verbosity,
+    context = AmpContext(options, verbosity=verbosity,
                          overflow_process_group=overflow_process_group,
                          min_loss_scale=min_loss_scale, max_loss_scale=max_loss_scale,
                          max_steps_at_scale_floor=max_steps_at_scale_floor)
@@ -311,7 +216,7 @@ def initialize(models: _Models, optimizers: _Optimizers | None = None, enabled: 
                 f"Defaults for this optimization level are:\n"
                 f"{_options_table(dict(enabled=True, opt_level=opt_level, **level.options))}\n"
                 "After processing overrides, optimization options are:\n"
-                f"{_options_table(properties.options)}", rank0=True, verbosity=verbosity)
+                f"{_options_table(options.options)}", rank0=True, verbosity=verbosity)
     return result
 
 
@@ -324,7 +229,7 @@ def _initialize_disabled(models: _Models, optimizers: _Optimizers | None,
         for optimizer in optimizers:
             if is_optimizer(optimizer):
                 _amp_state.disabled_optimizers.add(optimizer)
-    _amp_state.publish(AmpContext(Properties(), verbosity=verbosity))
+    _amp_state.publish(AmpContext(Options(), verbosity=verbosity))
     return models if optimizers is None else (models, optimizers)
 
 

@@ -228,7 +228,7 @@ def scale_loss(loss: torch.Tensor, optimizers: OptimizerLike | Sequence[Optimize
         raise TypeError(f"scale_loss expects the loss tensor, got {type(loss).__name__}.")
     controllers = [controller_of(optimizer) for optimizer in optimizers]
 
-    if not context.properties.master_weights and not scaler.dynamic and scaler.loss_scale() == 1.0:
+    if not context.options.master_weights and not scaler.dynamic and scaler.loss_scale() == 1.0:
         # Nothing to scale or unscale, and a static scale checks nothing: the block only marks
         # the optimizers busy, and leaves them as it found them.
         _begin_backward(controllers, set_aside_grads=False)

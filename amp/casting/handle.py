@@ -36,7 +36,7 @@ _OLD_API_ERROR = (
 _MISSING = object()
 
 if TYPE_CHECKING:
-    from ..frontend import Properties
+    from ..options import Options
 
 
 class AmpHandle:
@@ -277,7 +277,7 @@ def _activate(handle: AmpHandle) -> AmpHandle:
     return handle
 
 
-def use_run_policy(properties: Properties, verbose: bool,
+def use_run_policy(options: Options, verbose: bool,
                    earlier_level: str | None) -> AmpHandle | None:
     """Install the casting policy of an ``initialize`` call; return it (None: no casts).
 
@@ -288,10 +288,10 @@ def use_run_policy(properties: Properties, verbose: bool,
     """
     before = policy.outside()
     handle: AmpHandle | None
-    if properties.patch_torch_functions:
+    if options.patch_torch_functions:
         # What init(loss_scale=..., verbose=..., patch_type=...) does, typed as the AmpHandle it makes.
-        patch_type = _checked_patch_type(properties.patch_torch_functions_type)
-        handle = _activate(AmpHandle(properties.loss_scale, verbose=verbose, patch_type=patch_type))
+        patch_type = _checked_patch_type(options.patch_torch_functions_type)
+        handle = _activate(AmpHandle(options.loss_scale, verbose=verbose, patch_type=patch_type))
     else:
         handle = None
         policy.set_outside(None)
@@ -300,7 +300,7 @@ def use_run_policy(properties: Properties, verbose: bool,
             "amp.initialize(opt_level=%r): outside every amp model's forward, torch functions "
             "now run with %s instead of the %s of the earlier opt_level=%r run. That run's models "
             "keep their own casts inside their forward; its code outside them changes.",
-            properties.opt_level, _describe(handle), _describe(before), earlier_level)
+            options.opt_level, _describe(handle), _describe(before), earlier_level)
     return handle
 
 

@@ -14,7 +14,8 @@ import copy
 from collections import OrderedDict
 from typing import Any
 
-from ._amp_state import AmpContext, _amp_state
+from ._amp_state import _amp_state
+from ._run import AmpContext
 
 RUN_PREFIX = "run"
 

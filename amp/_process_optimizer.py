@@ -34,7 +34,7 @@ from ._overflow_report import OverflowReporter, non_finite_grad_names
 from ._skip_counts import SkipCounts
 
 if TYPE_CHECKING:
-    from ._amp_state import AmpContext
+    from ._run import AmpContext
     from .handle import _ScaledBy
     from .scaler import LossScaler
 

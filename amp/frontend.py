@@ -15,10 +15,11 @@ import torch.distributed as dist
 from torch import nn
 
 from . import _checkpoint
-from ._amp_state import AmpContext, _amp_state
+from ._amp_state import _amp_state
 from ._initialize import _initialize
 from ._logging import maybe_print
 from ._optimizer_wrappers import OptimizerLike, OptimizerWrapper, is_optimizer
+from ._run import AmpContext
 from .options import OPT_LEVELS, Options, check_bool, check_option, patch_type_of
 
 if TYPE_CHECKING:

@@ -15,10 +15,11 @@ from typing import Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from ._amp_state import AmpContext, _amp_state
+from ._amp_state import _amp_state
 from ._optimizer_wrappers import OptimizerLike, is_optimizer
 from ._fsdp import check_order
 from ._process_optimizer import OptimizerController, controller_of
+from ._run import AmpContext
 from .scaler import LossScaler
 
 __all__ = ["scale_loss"]

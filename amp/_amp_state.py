@@ -18,11 +18,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
+from . import casting
 from ._logging import follow_verbosity
 
 if TYPE_CHECKING:
     from ._run import AmpContext
-    from .casting.handle import AmpHandle, NoOpHandle
+    from .casting import AmpHandle, NoOpHandle
     from .options import Options
     from .scaler import LossScaler
 
@@ -36,7 +37,6 @@ class AmpState:
         self.verbosity = 1
         self.opt_properties: Options | None = None
         self.loss_scalers: list[LossScaler] = []
-        self.handle: AmpHandle | NoOpHandle | None = None
         self.min_loss_scale: float | None = None
         self.max_loss_scale: float | None = 2.0**24
         self.overflow_process_group: dist.ProcessGroup | None = None
@@ -45,6 +45,15 @@ class AmpState:
         self.disabled_optimizers: weakref.WeakSet[Any] = weakref.WeakSet()
         # Every enabled context, in the order of the initialize calls; see ``live_runs``.
         self.runs: list[AmpContext] = []
+
+    @property
+    def handle(self) -> AmpHandle | NoOpHandle | None:
+        """The handle of the latest O1/O4 ``init``, whose patches are installed (kept by ``casting``)."""
+        return casting.installed_handle()
+
+    @handle.setter
+    def handle(self, handle: AmpHandle | NoOpHandle | None) -> None:
+        casting.set_installed_handle(handle)
 
     def publish(self, context: AmpContext) -> None:
         """Make ``context`` the latest one, as Apex's global fields show it."""

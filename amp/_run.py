@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 import torch.distributed as dist
 
 if TYPE_CHECKING:
-    from .casting.handle import AmpHandle
+    from .casting import AmpHandle
     from .options import Options
     from .scaler import LossScaler
 

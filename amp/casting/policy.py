@@ -1,9 +1,10 @@
 """Which run's casting rules the O1/O4 patches apply at this moment.
 
 The patches are process-wide (one installation, kept while any O1/O4 run may be live), but each
-``amp.initialize`` call has its own policy: its ``AmpHandle`` (O1: fp16, O4: bf16, with its own
-weight-cast cache) or ``None`` (O0, O2, O3, O5: no casts). Every wrapper reads ``current`` on
-each call, one module attribute, because patched functions run many times per forward.
+``amp.initialize`` call has its own policy: a :class:`RunPolicy` (O1: fp16, O4: bf16, with its own
+weight-cast cache; the run's ``AmpHandle`` in ``patcher.py`` is one) or ``None`` (O0, O2, O3, O5:
+no casts). Every wrapper reads ``current`` on each call, one module attribute, because patched
+functions run many times per forward.
 
 Every model an enabled ``initialize`` returns makes its run's policy current while its forward
 runs and restores the previous one afterwards, also when the forward raises, so the innermost
@@ -17,20 +18,19 @@ that cast alike may run forward in several threads at once.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
-from typing import TYPE_CHECKING, Any, Literal, Union
+from typing import Any, Iterator, Literal, Union
 
 import torch
 from torch import nn
 
 from .._compat import is_compiling
+from ._cast import CastCache
 
-if TYPE_CHECKING:
-    from .handle import AmpHandle
-
-__all__ = ["current", "DISABLED", "set_outside", "outside", "casts_to", "track", "disabled",
-           "restore"]
+__all__ = ["RunPolicy", "current", "DISABLED", "set_outside", "outside", "casts_to", "track",
+           "disabled", "restore"]
 
 current: Policy | None = None
 # The policies that enclosing forwards (and the outside) will get back, innermost last.
@@ -43,18 +43,73 @@ _policy_before_disabled: Policy | None = None
 _disabled_lock = threading.Lock()
 
 
+class RunPolicy:
+    """One O1/O4 run's casting rules, as the patches read them, and its weight-cast cache.
+
+    ``cache`` maps each fp32 Parameter cast to low precision in the current iteration to
+    ``(cast copy, parameter version at cast time)``; ``_clear_cache()`` empties it (amp does so
+    at every ``scale_loss`` exit). A copy of a model (``deepcopy``) shares its run's policy; a
+    pickled one carries the settings and starts with an empty cache.
+    """
+
+    def __init__(self, patch_type: torch.dtype, allow_banned: bool = False, verbose: bool = False,
+                 enable_caching: bool = True) -> None:
+        self._enable_caching = enable_caching
+        self._verbose = verbose
+        self.allow_banned = allow_banned
+        self.patch_type = patch_type
+        self._cache: CastCache = {}
+        self._is_active = True
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> RunPolicy:
+        return self
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**vars(self), "_cache": {}}
+
+    def is_active(self) -> bool:
+        return self._is_active
+
+    @contextlib.contextmanager
+    def _disable_casts(self) -> Iterator[None]:
+        previous = self._is_active
+        self._is_active = False
+        try:
+            yield
+        finally:
+            self._is_active = previous
+
+    def _clear_cache(self) -> None:
+        self._cache.clear()
+
+    def remove_cache(self, param: nn.Parameter) -> None:
+        self._cache.pop(param, None)
+
+    @property
+    def has_cache(self) -> bool:
+        return self._enable_caching
+
+    @property
+    def cache(self) -> CastCache:
+        return self._cache
+
+    @property
+    def verbose(self) -> bool:
+        return self._verbose
+
+
 class _Disabled:
     """The policy inside ``amp.disable_casts()``: nothing is cast, but fp16/bf16 arguments to
     in-place fp32 functions and banned functions are still refused, as under an active run."""
-    # Never active (Literal, so that an active policy is known to be an AmpHandle).
+    # Never active (Literal, so that an active policy is known to be a RunPolicy).
     _is_active: Literal[False] = False
     patch_type = None
     allow_banned = False
 
 
 DISABLED = _Disabled()
-# What ``current`` holds besides None (no casts): a run's handle, or DISABLED.
-Policy = Union["AmpHandle", _Disabled]
+# What ``current`` holds besides None (no casts): a run's policy, or DISABLED.
+Policy = Union[RunPolicy, _Disabled]
 
 
 def set_outside(policy: Policy | None) -> None:

@@ -1,29 +1,23 @@
-"""User additions to the lists: ``register_*_function`` and the ``*_function`` decorators.
+"""User additions to the lists, and the ``*_function`` decorators.
 
-Registrations are recorded here and installed innermost, so they override the built-in lists:
-at once when O1/O4 patches are installed, else by the next ``init`` (``amp.initialize`` with O1
-or O4). They stay with the installed patches until ``amp.deactivate()``. Decorators instead look
-up the current policy at each call, so they work whether they run before or after ``init``.
+``register_*_function`` (``patcher.py``) records a registration here; the patches install it
+innermost, so it overrides the built-in lists: at once when O1/O4 patches are installed, else at
+the next ``init`` (``amp.initialize`` with O1 or O4). Registrations stay with the installed
+patches until ``amp.deactivate()``. Decorators instead look up the current policy at each call,
+so they work whether they run before or after ``init``.
 """
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple, TypeVar, cast as typing_cast
+from typing import Any, Callable, List, Optional, Tuple, TypeVar, cast as typing_cast
 
 import torch
 
-from .._amp_state import _amp_state
 from . import policy
 from ._cast import cast_args, make_caster, widest_type
 
-if TYPE_CHECKING:
-    from .handle import AmpHandle
-
-__all__ = [
-    "register_half_function", "register_float_function", "register_bfloat16_function",
-    "register_promote_function", "half_function", "float_function", "bfloat16_function",
-    "promote_function",
-]
+__all__ = ["record", "consume_registry", "half_function", "float_function", "bfloat16_function",
+           "promote_function"]
 
 #: A registration: ``(module, name, dtype)``; dtype None means promote. ``module`` is whatever
 #: holds the function as an attribute (a module such as ``torch``, a class such as ``torch.Tensor``).
@@ -35,35 +29,11 @@ F = TypeVar("F", bound=Callable[..., Any])
 _USER_REGISTRY: List[Registration] = []
 
 
-def _register(module: object, name: str, dtype: torch.dtype | None) -> None:
+def record(module: object, name: str, dtype: torch.dtype | None) -> None:
+    """Remember that ``module.name`` runs in ``dtype`` (None: promoted) under amp."""
     if not hasattr(module, name):
         raise ValueError(f"No function named {name} in module {module}.")
     _USER_REGISTRY.append((module, name, dtype))
-    if _amp_state.handle is not None:
-        _amp_state.handle._apply_registrations()
-
-
-def register_half_function(module: object, name: str) -> None:
-    """Run ``module.name`` in fp16 under amp: at once when O1/O4 patches are installed, else
-    from the next ``amp.initialize``."""
-    _register(module, name, torch.float16)
-
-
-def register_bfloat16_function(module: object, name: str) -> None:
-    """Run ``module.name`` in bf16 under amp: at once when O1/O4 patches are installed, else
-    from the next ``amp.initialize``."""
-    _register(module, name, torch.bfloat16)
-
-
-def register_float_function(module: object, name: str) -> None:
-    """Run ``module.name`` in fp32 under amp: at once when O1/O4 patches are installed, else
-    from the next ``amp.initialize``."""
-    _register(module, name, torch.float32)
-
-
-def register_promote_function(module: object, name: str) -> None:
-    """Run ``module.name`` in the widest floating type of its arguments under amp."""
-    _register(module, name, None)
 
 
 def consume_registry() -> list[Registration]:
@@ -73,7 +43,7 @@ def consume_registry() -> list[Registration]:
     return pending
 
 
-def _active_handle() -> AmpHandle | None:
+def _active_handle() -> policy.RunPolicy | None:
     run = policy.current
     return run if run is not None and run._is_active else None
 

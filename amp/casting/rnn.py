@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
@@ -18,9 +18,6 @@ from .._compat import rnn_module
 from . import lists, policy
 from ._cast import FLOATING, cast_args
 from .wrap import Function, make_cast_wrapper, make_policy_caster
-
-if TYPE_CHECKING:
-    from .handle import AmpHandle
 
 
 class _VFShim:
@@ -100,8 +97,9 @@ def _make_check_input_wrapper(orig: Function) -> Function:
     return check_input
 
 
-def install(handle: AmpHandle) -> None:
-    """Patch the RNN entry points of ``torch.nn.modules.rnn``; ``handle`` records the patches."""
+def install(save_func: Callable[[Any, str, Any], None]) -> None:
+    """Patch the RNN entry points of ``torch.nn.modules.rnn`` through ``save_func(owner, name, new)``,
+    the handle's, which records each patch."""
     rnn = rnn_module()
     shim = _VFShim(rnn._VF)
     for name in lists.RNN_FUNCTIONS:
@@ -111,6 +109,6 @@ def install(handle: AmpHandle) -> None:
         if hasattr(shim, name):
             setattr(shim, name, make_cast_wrapper(getattr(shim, name), name, None,
                                                   try_caching=True))
-    handle._save_func(rnn, "_VF", shim)
+    save_func(rnn, "_VF", shim)
     base = rnn.RNNBase
-    handle._save_func(base, "check_input", _make_check_input_wrapper(base.check_input))
+    save_func(base, "check_input", _make_check_input_wrapper(base.check_input))

@@ -7,7 +7,7 @@ current policy (``policy.current``) on each call, so the model whose forward is 
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any, Callable, cast as typing_cast
+from typing import Any, Callable, cast as typing_cast
 
 import torch
 from torch import Tensor
@@ -15,9 +15,6 @@ from torch import Tensor
 from . import policy
 from ._cast import (FLOATING, LOW_PRECISION, Caster, any_low_precision, cast_args, cast_tensor,
                     no_floating_scalar, widest_type)
-
-if TYPE_CHECKING:
-    from .handle import AmpHandle
 
 #: A patched function, or its replacement.
 Function = Callable[..., Any]
@@ -29,8 +26,8 @@ def make_policy_caster(name: str, try_caching: bool = False) -> Caster:
     Looked up at cast time, not per call: a call that needs no cast pays nothing for it.
     """
     def cast(t: Tensor, dtype: torch.dtype) -> Tensor:
-        # Only a wrapper that found an active policy casts, and only an AmpHandle is ever active.
-        run = typing_cast("AmpHandle", policy.current)
+        # Only a wrapper that found an active policy casts, and only a RunPolicy is ever active.
+        run = typing_cast(policy.RunPolicy, policy.current)
         cache = run.cache if try_caching and run.has_cache else None
         return cast_tensor(t, dtype, name, run.verbose, cache)
     return cast

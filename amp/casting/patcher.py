@@ -1,9 +1,11 @@
-"""The O1/O4 handle: installs the function patches, owns the weight-cast cache, removes both.
+"""The O1/O4 function patcher: ``init`` installs the patches, ``deactivate`` removes them.
 
 ``init`` is Apex's ``amp.init``; ``amp.initialize`` calls it for O1 (``patch_type=torch.float16``)
-and O4 (``torch.bfloat16``). Each handle is also its run's casting policy (``policy.py``): the
-patches are installed once and read the current policy, so a later ``init`` takes the installed
-patches over (with the user registrations they carry) instead of changing an earlier run's models.
+and O4 (``torch.bfloat16``) and returns its ``AmpHandle``, which records the patches. Each handle
+is also its run's casting policy (``policy.RunPolicy``, with its weight-cast cache): the patches
+are installed once and read the current policy, so a later ``init`` takes the installed patches
+over (with the user registrations they carry) instead of changing an earlier run's models. The
+latest ``init``'s handle is kept here (``installed_handle``; Apex's ``amp._amp_state.handle``).
 Differences from Apex, on purpose: ``_deactivate`` restores every patched attribute, the RNN
 ``_VF`` shim included, in reverse order, and turns the handle (and so the decorators) off, and
 ``deactivate`` (``amp.deactivate()``) is its public form; ``disable_casts`` is exception safe and
@@ -16,18 +18,18 @@ import contextlib
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, NoReturn
 
 import torch
-from torch import nn
 
-from .._amp_state import _amp_state
 from .._logging import logger
-from . import lists, policy, rnn
-from ._cast import CastCache
+from . import lists, policy, registry, rnn
+from .policy import RunPolicy
 from .registry import Registration, consume_registry
 from .wrap import (Function, make_banned_wrapper, make_cast_wrapper, make_error_if_any_low_precision,
                    make_error_if_self_low_precision, make_match_self_wrapper,
                    make_promote_wrapper, make_sequence_promote_wrapper)
 
-__all__ = ["AmpHandle", "NoOpHandle", "init", "deactivate", "disable_casts", "use_run_policy"]
+__all__ = ["AmpHandle", "NoOpHandle", "init", "deactivate", "disable_casts", "use_run_policy",
+           "installed_handle", "set_installed_handle", "register_half_function",
+           "register_float_function", "register_bfloat16_function", "register_promote_function"]
 
 _OLD_API_ERROR = (
     "The old Amp API (amp.init() + handle.scale_loss / handle.wrap_optimizer) is no longer "
@@ -35,66 +37,37 @@ _OLD_API_ERROR = (
     "`with amp.scale_loss(loss, optimizer) as scaled_loss: scaled_loss.backward()`.")
 _MISSING = object()
 
+# The handle of the latest ``init`` (Apex's ``amp._amp_state.handle``): its patches are installed.
+_installed: AmpHandle | NoOpHandle | None = None
+
 if TYPE_CHECKING:
     from ..options import Options
 
 
-class AmpHandle:
-    """The state of one O1/O4 installation: the patches it made and its weight-cast cache.
+class AmpHandle(RunPolicy):
+    """One O1/O4 installation: the run's casting policy (``policy.RunPolicy``) and the patches it made.
 
-    ``cache`` maps each fp32 Parameter cast to low precision in the current iteration to
-    ``(cast copy, parameter version at cast time)``; ``_clear_cache()`` empties it (amp does so
-    at every ``scale_loss`` exit). ``patch_type``, ``allow_banned``, ``verbose`` and the cache
-    are the run's policy, which the patches read while this run's models compute.
-
-    A copy of a model (``deepcopy``) shares its run's policy; a pickled one carries the settings
-    and starts with an empty cache and no patches.
+    A pickled handle carries the settings and starts with no patches.
     """
 
     def __init__(self, loss_scale: float | str = "dynamic", enable_caching: bool = True,
                  verbose: bool = False, allow_banned: bool = False,
                  patch_type: torch.dtype = torch.float16) -> None:
+        super().__init__(patch_type, allow_banned, verbose, enable_caching)
         self.loss_scale = loss_scale
-        self._enable_caching = enable_caching
-        self._verbose = verbose
-        self.allow_banned = allow_banned
-        self.patch_type = patch_type
-        self._cache: CastCache = {}
-        self._is_active = True
         # (owner, name, the entry it had before, or _MISSING), in patching order.
         self._all_wrappers: list[tuple[Any, str, Any]] = []
         # The user registrations the installed patches carry, in installation order.
         self._registered: list[Registration] = []
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> AmpHandle:
-        return self
-
     def __getstate__(self) -> dict[str, Any]:
-        return {**vars(self), "_cache": {}, "_all_wrappers": [], "_registered": []}
-
-    def is_active(self) -> bool:
-        return self._is_active
-
-    @contextlib.contextmanager
-    def _disable_casts(self) -> Iterator[None]:
-        previous = self._is_active
-        self._is_active = False
-        try:
-            yield
-        finally:
-            self._is_active = previous
+        return {**super().__getstate__(), "_all_wrappers": [], "_registered": []}
 
     def wrap_optimizer(self, optimizer: Any, num_loss: int = 1) -> NoReturn:
         raise RuntimeError(_OLD_API_ERROR)
 
     def scale_loss(self, loss: Any, optimizer: Any) -> NoReturn:
         raise RuntimeError(_OLD_API_ERROR)
-
-    def _clear_cache(self) -> None:
-        self._cache.clear()
-
-    def remove_cache(self, param: nn.Parameter) -> None:
-        self._cache.pop(param, None)
 
     def _save_func(self, owner: Any, name: str, new: Any) -> None:
         """Install ``new`` as ``owner.name``, remembering the exact previous entry."""
@@ -124,18 +97,6 @@ class AmpHandle:
         self._cache.clear()
         if policy.outside() is self:
             policy.set_outside(None)
-
-    @property
-    def has_cache(self) -> bool:
-        return self._enable_caching
-
-    @property
-    def cache(self) -> CastCache:
-        return self._cache
-
-    @property
-    def verbose(self) -> bool:
-        return self._verbose
 
 
 class NoOpHandle:
@@ -215,14 +176,14 @@ def _install(handle: AmpHandle, registered: Iterable[Registration]) -> None:
     _wrap(handle, torch.Tensor,
           _inplace(torch.Tensor, tensor_lists.low_precision + tensor_lists.promote),
           make_match_self_wrapper)
-    rnn.install(handle)
+    rnn.install(handle._save_func)
     for name, message in functional.banned.items():
         _wrap(handle, functional.module, [name], make_banned_wrapper, message)
 
 
 def _reinstall(handle: AmpHandle, registered: Iterable[Registration]) -> None:
     """Replace the installed patches (if any) by ``handle``'s, carrying ``registered``."""
-    previous = _amp_state.handle
+    previous = _installed
     if isinstance(previous, AmpHandle):
         previous._uninstall()
     try:
@@ -230,6 +191,46 @@ def _reinstall(handle: AmpHandle, registered: Iterable[Registration]) -> None:
     except BaseException:
         handle._uninstall()
         raise
+
+
+def installed_handle() -> AmpHandle | NoOpHandle | None:
+    """The handle of the latest ``init`` (None after ``deactivate``)."""
+    return _installed
+
+
+def set_installed_handle(handle: AmpHandle | NoOpHandle | None) -> None:
+    """Record ``handle`` as the latest ``init``'s (also what writing ``amp._amp_state.handle`` does)."""
+    global _installed
+    _installed = handle
+
+
+def _register(module: object, name: str, dtype: torch.dtype | None) -> None:
+    registry.record(module, name, dtype)
+    if _installed is not None:
+        _installed._apply_registrations()
+
+
+def register_half_function(module: object, name: str) -> None:
+    """Run ``module.name`` in fp16 under amp: at once when O1/O4 patches are installed, else
+    from the next ``amp.initialize``."""
+    _register(module, name, torch.float16)
+
+
+def register_bfloat16_function(module: object, name: str) -> None:
+    """Run ``module.name`` in bf16 under amp: at once when O1/O4 patches are installed, else
+    from the next ``amp.initialize``."""
+    _register(module, name, torch.bfloat16)
+
+
+def register_float_function(module: object, name: str) -> None:
+    """Run ``module.name`` in fp32 under amp: at once when O1/O4 patches are installed, else
+    from the next ``amp.initialize``."""
+    _register(module, name, torch.float32)
+
+
+def register_promote_function(module: object, name: str) -> None:
+    """Run ``module.name`` in the widest floating type of its arguments under amp."""
+    _register(module, name, None)
 
 
 def _describe(run: policy.Policy | None) -> str:
@@ -255,7 +256,7 @@ def init(enabled: bool = True, loss_scale: float | str = "dynamic", enable_cachi
         return _activate(AmpHandle(loss_scale, enable_caching, verbose, allow_banned, patch_type))
     deactivate()
     disabled = NoOpHandle()
-    _amp_state.handle = disabled
+    set_installed_handle(disabled)
     policy.set_outside(None)
     return disabled
 
@@ -269,10 +270,10 @@ def _checked_patch_type(patch_type: torch.dtype | None) -> torch.dtype:
 
 def _activate(handle: AmpHandle) -> AmpHandle:
     """``init``'s enabled half: install ``handle``'s patches, taking over the installed ones."""
-    previous = _amp_state.handle
+    previous = _installed
     carried = previous._registered if isinstance(previous, AmpHandle) else []
     _reinstall(handle, carried + consume_registry())
-    _amp_state.handle = handle
+    set_installed_handle(handle)
     policy.set_outside(handle)
     return handle
 
@@ -310,10 +311,10 @@ def deactivate() -> None:
     A no-op when nothing is patched. Optimizers of earlier ``initialize`` calls keep working,
     and their models compute without the casts.
     """
-    handle = _amp_state.handle
+    handle = _installed
     if handle is not None:
         handle._deactivate()
-        _amp_state.handle = None
+        set_installed_handle(None)
     policy.set_outside(None)
 
 

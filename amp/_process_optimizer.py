@@ -35,8 +35,7 @@ from ._skip_counts import SkipCounts
 
 if TYPE_CHECKING:
     from ._run import AmpContext
-    from .handle import _ScaledBy
-    from .scaler import LossScaler
+    from .scaler import Unscaler
 
 # Methods _process_optimizer attaches; an optimizer that already has one is refused.
 ATTACHED_METHODS = ("_lazy_init_maybe_master_weights", "_master_params_to_model_params",
@@ -88,7 +87,7 @@ def _unscaled_sparse(scaler, grad, dtype, previous):
     grad = grad.coalesce()
     values = grad._values()
     out = values if values.dtype == dtype else torch.empty_like(values, dtype=dtype)
-    scaler.unscale([values], [out], None, models_are_masters=out is values)
+    scaler.unscale_into([values], [out], models_are_masters=out is values)
     unscaled = coalesced_sparse_coo_tensor(grad._indices(), out, grad.shape)
     return unscaled if previous is None else previous + unscaled
 
@@ -100,7 +99,7 @@ def _unscale_models_are_masters(scaler, params, stash_list):
         fresh = [grad for grad in (param.grad for param in params) if grad is not None]
         if not any(grad.is_sparse for grad in fresh):
             if fresh:
-                scaler.unscale(fresh, fresh, None, models_are_masters=True)
+                scaler.unscale_into(fresh, fresh, models_are_masters=True)
             return
     fresh, with_stash, stashed = [], [], []
     for index, param in enumerate(params):
@@ -116,7 +115,7 @@ def _unscale_models_are_masters(scaler, params, stash_list):
             with_stash.append(param.grad)
             stashed.append(previous)
     if fresh:
-        scaler.unscale(fresh, fresh, None, models_are_masters=True)
+        scaler.unscale_into(fresh, fresh, models_are_masters=True)
     if with_stash:
         scaler.unscale_with_stashed(with_stash, stashed, with_stash)
 
@@ -244,7 +243,7 @@ class OptimizerController:
         """Before a backward: set aside the grads that exist."""
         raise NotImplementedError
 
-    def unscale_grads(self, scaler: LossScaler | _ScaledBy) -> None:
+    def unscale_grads(self, scaler: Unscaler) -> None:
         """After a backward: unscale the new grads and add back those set aside."""
         raise NotImplementedError
 
@@ -272,7 +271,7 @@ class OptimizerController:
         if self._grads_set_aside:
             self.set_grads_aside()
 
-    def end_backward(self, scaler: LossScaler | _ScaledBy | None) -> None:
+    def end_backward(self, scaler: Unscaler | None) -> None:
         """Leave the block: unscale every grad with ``scaler``; None (delay_unscale) keeps them scaled."""
         if scaler is None:
             self.phase = Phase.GRADS_SCALED
@@ -434,7 +433,7 @@ class WithoutMasterWeights(OptimizerController):
         _stash_and_clear_grads(self.all_fp16_params, self.all_fp16_grad_stash)
         _stash_and_clear_grads(self.all_fp32_params, self.all_fp32_grad_stash)
 
-    def unscale_grads(self, scaler: LossScaler | _ScaledBy) -> None:
+    def unscale_grads(self, scaler: Unscaler) -> None:
         """Apex's ``_post_amp_backward``: unscale the new grads and add back those set aside."""
         _unscale_models_are_masters(scaler, self.all_fp16_params, self.all_fp16_grad_stash)
         _unscale_models_are_masters(scaler, self.all_fp32_params, self.all_fp32_grad_stash)
@@ -514,7 +513,7 @@ class WithMasterWeights(OptimizerController):
                 param.grad = None
         _stash_and_clear_grads(self.all_fp32_from_fp32_params, self.all_fp32_from_fp32_grad_stash)
 
-    def unscale_grads(self, scaler: LossScaler | _ScaledBy) -> None:
+    def unscale_grads(self, scaler: Unscaler) -> None:
         """Apex's ``_post_amp_backward``: unscale the model's grads into (or onto) the masters'."""
         fresh_model, fresh_master, acc_model, acc_master = [], [], [], []
         for index, (param, master) in enumerate(zip(self.all_fp16_params, self.all_fp32_from_fp16_params)):
@@ -531,7 +530,7 @@ class WithMasterWeights(OptimizerController):
                 acc_model.append(grad)
                 acc_master.append(master.grad)
         if fresh_model:
-            scaler.unscale(fresh_model, fresh_master, None)
+            scaler.unscale_into(fresh_model, fresh_master)
         if acc_model:
             scaler.unscale_with_stashed(acc_model, acc_master, acc_master)
         _unscale_models_are_masters(scaler, self.all_fp32_from_fp32_params,

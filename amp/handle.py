@@ -20,7 +20,7 @@ from ._optimizer_wrappers import OptimizerLike, is_optimizer
 from ._fsdp import check_order
 from ._process_optimizer import OptimizerController, controller_of
 from ._run import AmpContext
-from .scaler import LossScaler
+from .scaler import LossScaler, ScaledBy, Unscaler
 
 __all__ = ["scale_loss"]
 
@@ -122,23 +122,6 @@ class _OpenBlock:
 
     def __init__(self) -> None:
         self.scale: torch.Tensor | None = None
-
-
-class _ScaledBy:
-    """``scaler``, unscaling by ``scale`` (a tensor) in place of its current scale."""
-
-    def __init__(self, scaler: LossScaler, scale: torch.Tensor) -> None:
-        self.scaler, self.scale = scaler, scale
-
-    def unscale(self, model_grads: Sequence[torch.Tensor], master_grads: Sequence[torch.Tensor],
-                unused_scale: object, models_are_masters: bool = False) -> None:
-        self.scaler.unscale(model_grads, master_grads, unused_scale, models_are_masters, scale_override=self.scale)
-
-    def unscale_with_stashed(self, model_grads: Sequence[torch.Tensor],
-                             stashed_master_grads: Sequence[torch.Tensor],
-                             master_grads: Sequence[torch.Tensor]) -> None:
-        self.scaler.unscale_with_stashed(model_grads, stashed_master_grads, master_grads,
-                                         scale_override=(self.scale, 1.0, 1.0))
 
 
 def _begin_backward(controllers: Sequence[OptimizerController], set_aside_grads: bool,
@@ -269,8 +252,7 @@ def _unscale_and_check(controllers: Sequence[OptimizerController], context: AmpC
         return
     scaler.clear_overflow_state()
     # A nested block may have updated the scale since this block's loss was multiplied by it.
-    unscaler: LossScaler | _ScaledBy = (scaler if block is None or block.scale is None
-                                        else _ScaledBy(scaler, block.scale))
+    unscaler: Unscaler = scaler if block is None or block.scale is None else ScaledBy(scaler, block.scale)
     for controller in controllers:
         controller.end_backward(unscaler)
     if delay_overflow_check:

@@ -2,7 +2,7 @@
 
 Under master weights (O2/O5) each step first takes into an fp32 master the value of its
 low-precision param when something other than amp wrote the param
-(``WithMasterWeights._refresh_masters_written_elsewhere``). PyTorch's version counter shows most
+(``_controller.masters.Masters.refresh_written_elsewhere``). PyTorch's version counter shows most
 such writes, but a collective writes the memory directly: ranks synced with ``dist.broadcast(p, 0)``
 or ``dist.broadcast(p.data, 0)`` after ``initialize`` kept their own masters and diverged.
 
@@ -33,8 +33,8 @@ WRITING_CALLS = ("broadcast", "all_reduce", "reduce", "scatter", "all_gather", "
                  "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single",
                  "send", "recv", "isend", "irecv")
 
-# controller -> storage addresses of its watched params;
-# controller -> {storage address written since its last step: size of the largest group that wrote it}.
+# owner (one optimizer's masters) -> storage addresses of its watched params;
+# owner -> {storage address written since its last step: size of the largest group that wrote it}.
 _watched: weakref.WeakKeyDictionary[Any, set[int]] = weakref.WeakKeyDictionary()
 _written: weakref.WeakKeyDictionary[Any, dict[int, int]] = weakref.WeakKeyDictionary()
 _installed = False
@@ -44,18 +44,18 @@ def _storage(tensor):
     return tensor.untyped_storage().data_ptr()
 
 
-def watch(controller, params):
-    """Mark ``params`` (of ``controller``) written when a torch.distributed call writes them."""
-    _watched.setdefault(controller, set()).update(_storage(param) for param in params)
+def watch(owner, params):
+    """Mark ``params`` (of ``owner``) written when a torch.distributed call writes them."""
+    _watched.setdefault(owner, set()).update(_storage(param) for param in params)
     if not _installed:
         _wrap_writing_calls()
 
 
-def take_written(controller):
-    """``controller``'s params written by a call since the last take (usually none), for ``group_size_of_write``."""
+def take_written(owner):
+    """``owner``'s params written by a call since the last take (usually none), for ``group_size_of_write``."""
     if not _written:
         return {}
-    return _written.pop(controller, {})
+    return _written.pop(owner, {})
 
 
 def group_size_of_write(param, written):
@@ -80,11 +80,11 @@ def _note_written(tensors, group):
             except (RuntimeError, NotImplementedError):
                 pass  # no storage of its own (a sparse tensor, a DTensor): not a watched param's
     size = None
-    for controller, watched in list(_watched.items()):
+    for owner, watched in list(_watched.items()):
         hit = storages & watched
         if hit:
             size = dist.get_world_size(group) if size is None else size
-            marks = _written.setdefault(controller, {})
+            marks = _written.setdefault(owner, {})
             for storage in hit:
                 marks[storage] = max(marks.get(storage, 0), size)
 

@@ -1,6 +1,6 @@
 """What ``amp.initialize`` does to models: checks, casting, and the hooks of ``_model_hooks``.
 
-Optimizers are handed to ``_process_optimizer``; loss scalers and O1/O4 patches are created here.
+Optimizers get their controllers from ``_controller.attach_controller``; loss scalers and O1/O4 patches are created here.
 """
 import functools
 
@@ -9,11 +9,11 @@ from torch import nn
 
 from . import _fsdp, casting
 from ._amp_state import _amp_state
-from ._apex_compat import warn_or_err
+from ._apex_compat import APEX_METHODS, warn_or_err
 from ._master_weights import LOW_PRECISION_DTYPES, check_trainable_dtype, convert_network
 from ._model_hooks import cast_forward, register_fp32_state_dict_hooks, to_type
 from ._optimizer_wrappers import is_optimizer, is_optimizer_wrapper
-from ._process_optimizer import ATTACHED_METHODS, _process_optimizer
+from ._controller import attach_controller
 from .scaler import LossScaler
 
 _PARALLEL_WRAPPERS = (nn.parallel.DistributedDataParallel, nn.DataParallel)
@@ -86,7 +86,7 @@ def _check_optimizers(optimizers):
             raise RuntimeError("A given optimizer should only be passed through amp.initialize once. "
                                "Create a new optimizer for the new models, or keep using the one "
                                "amp.initialize returned the first time.")
-        for name in ATTACHED_METHODS:
+        for name in APEX_METHODS:
             if hasattr(optimizer, name):
                 raise RuntimeError(f"Incoming optimizer already has {name} defined.")
     # A LARC wrapper steps its inner optimizer: passing both would step it twice.
@@ -168,7 +168,7 @@ def _initialize(models, optimizers, context, num_losses, cast_model_outputs, sca
     context.loss_scalers = loss_scalers
     context.track(models + optimizers)
     for optimizer in optimizers:
-        _process_optimizer(optimizer, context, param_names, fp32_values, max_consecutive_skips)
+        attach_controller(optimizer, context, param_names, fp32_values, max_consecutive_skips)
 
     if cast_type in LOW_PRECISION_DTYPES and not context.sharded_masters:
         for model in models:

@@ -96,8 +96,9 @@ class _Masters:
         master_of: dict[int, torch.Tensor] = {}
         for ref in self.optimizers:
             stash = getattr(ref(), "_amp_stash", None)
-            if stash is not None and stash.master_weights:
-                master_of.update(zip(map(id, stash.all_fp16_params), stash.all_fp32_from_fp16_params))
+            masters = stash.weights.masters if stash is not None else None
+            if masters is not None:
+                master_of.update(zip(map(id, masters.model_params), masters.masters))
         return [(name, master_of[id(param)])
                 for name, param in module.named_parameters(remove_duplicate=False) if id(param) in master_of]
 

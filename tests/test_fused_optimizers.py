@@ -519,7 +519,7 @@ def test_the_read_only_overflow_check_finds_the_peak_magnitude(dtype, poison, wh
     # The check at the scale_loss exit of a fused step without master grads: its CPU path (aminmax
     # per tensor) against torch's inf-norm over the whole list, empty tensors among them.
     from amp._compat import foreach_norm  # torch's _foreach_norm has no dtype before 2.4
-    from amp._fused_master_weights import _peak_magnitude
+    from amp._controller.fused import _peak_magnitude
     gen = torch.Generator().manual_seed(3)
     grads = [(torch.randn(n, generator=gen) * 100).to(dtype) for n in (0, 5, 70000, 0, 1, 3000)]
     grads[2][123] = -30000.0  # the peak, negative

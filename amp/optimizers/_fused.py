@@ -21,7 +21,7 @@ from typing import Any, Callable, Dict, Iterable, Optional, Sequence, Tuple, Uni
 
 import torch
 
-from amp._fused_master_weights import FusedMasterWeights, inverse
+from amp._controller.fused import FusedMasterWeights, inverse
 from amp.multi_tensor_apply import Scalar
 
 __all__ = ["FusedOptimizer"]
@@ -70,8 +70,8 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     # torch.amp.GradScaler and amp pass found_inf / grad_scale as attributes, and the step honours them.
     _step_supports_amp_scaling = True
-    # The controller amp.initialize gives these optimizers under master weights (O2/O5).
-    _amp_master_weights_controller = FusedMasterWeights
+    # What amp.initialize steps for these optimizers under master weights (O2/O5).
+    _amp_master_weights_kind = FusedMasterWeights
 
     def __init__(self, params: Params, defaults: dict[str, Any], materialize_master_grads: bool,
                  set_grad_none: bool) -> None:

@@ -1,4 +1,4 @@
-"""The O2/O5 controller for amp's fused optimizers (``amp.optimizers``): Apex's FusedSGD contract.
+"""Master weights for amp's fused optimizers (``amp.optimizers``): Apex's FusedSGD contract.
 
 The optimizer's kernel writes the rounded fp32 master into the low-precision model param itself, so
 the master->model copy that follows every step elsewhere is skipped. With
@@ -27,12 +27,16 @@ Apex's ``most_recent_scale`` / ``scale_set_by_backward``.
 """
 from __future__ import annotations
 
+from typing import Any, Callable, Sequence
+
 import torch
 
-from ._compat import foreach_norm
-from ._process_optimizer import (Phase, WithMasterWeights, _combine_flags, _put_back_grads,
-                                 _stash_and_clear_grads, _unscale_models_are_masters)
-from .multi_tensor_apply import multi_tensor_applier, multi_tensor_axpby, multi_tensor_scale
+from .._compat import foreach_norm
+from ..multi_tensor_apply import multi_tensor_applier, multi_tensor_axpby, multi_tensor_scale
+from .grads import GradStash, MasterGrads, put_back, set_aside
+from .masters import Masters
+from .phase import Phase, combine_flags
+from .weights import MasterWeights
 
 __all__ = ["FusedMasterWeights", "inverse"]
 
@@ -77,41 +81,77 @@ def _flag_non_finite(flag, grads, inv_scale):
     torch.maximum(flag, bad, out=flag)
 
 
-class FusedMasterWeights(WithMasterWeights):
-    """fp32 masters stepped by an ``amp.optimizers`` kernel that writes the model copy (see module doc)."""
+class FusedMasterWeights:
+    """fp32 masters stepped by an ``amp.optimizers`` kernel that writes the model copy (see module doc).
 
-    def __init__(self, *args):
-        super().__init__(*args)
-        self.materialize_master_grads = bool(self.optimizer.materialize_master_grads)
+    With materialised master grads (``reads_master_grads``) every backward goes through the plain
+    ``MasterWeights`` it holds; the kernel's reading of the model's grads is this class's own.
+    """
+
+    master_weights = True
+
+    def __init__(self, optimizer: Any, param_names: dict[torch.Tensor, str]) -> None:
+        self.optimizer = optimizer
+        self.param_names = param_names
+        self.plain = MasterWeights(optimizer, param_names)
+        self.materialize_master_grads = bool(optimizer.materialize_master_grads)
         # This step's mode: materialize_master_grads, or True once amp.master_params made them.
         self.reads_master_grads = self.materialize_master_grads
-        self._scratch_flags = {}
+        self._scratch_flags: dict[torch.device, torch.Tensor] = {}
 
-    def init_params(self, fp32_values=None):
+    @property
+    def masters(self) -> Masters:
+        return self.plain.masters
+
+    @property
+    def fp32(self) -> GradStash:
+        return self.plain.fp32
+
+    @property
+    def master_grads(self) -> MasterGrads:
+        return self.plain.master_grads
+
+    @property
+    def low_params(self) -> list[torch.Tensor]:
+        return self.plain.low_params
+
+    @property
+    def low_slots(self) -> list[torch.Tensor | None]:
+        return self.plain.low_slots
+
+    def init_params(self, fp32_values: dict[int, torch.Tensor] | None) -> None:
         """As for any optimizer, then tell the optimizer which model param each master rounds into."""
-        super().init_params(fp32_values)
+        self.plain.init_params(fp32_values)
         self._publish_model_copies()
 
-    def add_param_group(self, new_group):
-        super().add_param_group(new_group)
+    def add_group(self, group: dict[str, Any]) -> None:
+        self.plain.add_group(group)
+
+    def group_added(self) -> None:
         self._publish_model_copies()
 
-    def _publish_model_copies(self):
-        self.optimizer._amp_model_copies = dict(zip(self.all_fp32_from_fp16_params, self.all_fp16_params))
+    def parts(self) -> list[object]:
+        return self.plain.parts()
+
+    def model_params(self) -> list[torch.Tensor]:
+        return self.plain.model_params()
+
+    def _publish_model_copies(self) -> None:
+        self.optimizer._amp_model_copies = dict(zip(self.masters.masters, self.masters.model_params))
         self._set_mode(self.reads_master_grads)
 
-    def _set_mode(self, reads_master_grads):
+    def _set_mode(self, reads_master_grads: bool) -> None:
         self.reads_master_grads = reads_master_grads
         self.optimizer._amp_grads_from_model = not reads_master_grads
 
-    def prepare_master_grads(self):
+    def prepare_master_grads(self, phase: Phase) -> None:
         """Unscale the model's grads, which wait for step(), into fp32 master grads (Apex's state there)."""
-        if self.reads_master_grads or self.phase is not Phase.UNSCALED:
+        if self.reads_master_grads or phase is not Phase.UNSCALED:
             return
         models, masters = [], []
-        for index, (param, master) in enumerate(zip(self.all_fp16_params, self.all_fp32_from_fp16_params)):
+        for index, (param, master) in enumerate(zip(self.masters.model_params, self.masters.masters)):
             if param.grad is not None:
-                master.grad = self._master_grad_buffer(index, master)
+                master.grad = self.master_grads.buffer(index, master)
                 models.append(param.grad)
                 masters.append(master.grad)
         if models:
@@ -120,68 +160,74 @@ class FusedMasterWeights(WithMasterWeights):
             multi_tensor_applier(multi_tensor_scale, flag, [models, masters], inverse(self.optimizer.most_recent_scale))
         self._set_mode(True)
 
-    def _check_step(self, closure):
+    def check_step(self, closure: Callable[[], Any] | None, phase: Phase) -> None:
         if self.optimizer.materialize_master_grads != self.materialize_master_grads:
             raise RuntimeError(f"{type(self.optimizer).__name__}.materialize_master_grads was changed after "
                                "amp.initialize, which reads it once. Construct the optimizer with the "
                                "value you want, then call amp.initialize.")
-        super()._check_step(closure)
+        self.plain.check_step(closure, phase)
 
-    def _after_step(self, copy_masters):
+    def before_step(self) -> None:
+        self.plain.before_step()
+
+    def after_step(self, copy_masters: bool) -> None:
         """The kernel wrote the model copies: only the masters' grads and the carried scale are reset."""
-        self._note_model_versions()
-        for master in self.all_fp32_from_fp16_params:
-            master.grad = None
+        self.masters.note_versions()
+        self.masters.clear_grads()
         self._forget_scale()
 
-    def _forget_scale(self):
+    def _forget_scale(self) -> None:
         self.optimizer.most_recent_scale = 1.0
         self.optimizer.scale_set_by_backward = False
         self._set_mode(self.materialize_master_grads)
 
-    def zero_grad(self, set_to_none=True):
-        super().zero_grad(set_to_none)
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.plain.zero_grad(set_to_none)
         self._forget_scale()
+
+    def copy_to_model(self) -> None:
+        self.plain.copy_to_model()
 
     # The rest holds only without materialised master grads: the model's grads are the step's input.
 
-    def begin_backward(self, set_aside_grads=True):
+    def sets_grads_aside(self, requested: bool, phase: Phase) -> bool:
         """A ``delay_unscale`` block right after an unscaled one sets the grads aside too: they carry
         the earlier scale, which its exit may have changed."""
         if not self.reads_master_grads:
-            set_aside_grads = set_aside_grads or self.phase is Phase.UNSCALED
-        super().begin_backward(set_aside_grads)
+            return requested or phase is Phase.UNSCALED
+        return requested
 
-    def set_grads_aside(self):
+    def set_grads_aside(self) -> None:
         if self.reads_master_grads:
-            return super().set_grads_aside()
+            return self.plain.set_grads_aside()
         if self.optimizer.scale_set_by_backward:
-            _stash_and_clear_grads(self.all_fp16_params, self.all_fp16_grad_stash)
+            set_aside(self.low_params, self.low_slots)
         else:
             # Left from before the last step (no zero_grad): dropped, as the masters' grads were.
-            for param in self.all_fp16_params:
+            for param in self.low_params:
                 param.grad = None
-        _stash_and_clear_grads(self.all_fp32_from_fp32_params, self.all_fp32_from_fp32_grad_stash)
+        self.fp32.set_aside()
 
-    def _restore_grads(self):
+    def restore_grads(self) -> None:
         if self.reads_master_grads:
-            return super()._restore_grads()
-        _put_back_grads(self.all_fp16_params, self.all_fp16_grad_stash)
-        _put_back_grads(self.all_fp32_from_fp32_params, self.all_fp32_from_fp32_grad_stash)
+            return self.plain.restore_grads()
+        put_back(self.low_params, self.low_slots)
+        self.fp32.put_back()
 
-    def unscale_grads(self, scaler):
+    def unscale_grads(self, scaler: Any, earlier_flags: Sequence[torch.Tensor]) -> None:
         """Check the new low-precision grads and bring every grad to one scale; nothing is unscaled."""
         if self.reads_master_grads:
-            return super().unscale_grads(scaler)
+            return self.plain.unscale_grads(scaler, earlier_flags)
         fresh, new, old, alone = [], [], [], []
-        for param in self.all_fp16_params:
+        for param in self.low_params:
             if param.grad is not None and param.grad.is_sparse:
                 raise RuntimeError(
                     f"{self.param_names.get(param, 'A parameter')} has a sparse gradient, which "
                     f"{type(self.optimizer).__name__}(materialize_master_grads=False) cannot read. Pass "
                     "materialize_master_grads=True, or use dense gradients.")
-        for index, param in enumerate(self.all_fp16_params):
-            stashed, self.all_fp16_grad_stash[index] = self.all_fp16_grad_stash[index], None
+        slots = self.low_slots
+        for index, param in enumerate(self.low_params):
+            stashed, slots[index] = slots[index], None
             if param.grad is None:
                 if stashed is not None:
                     param.grad = stashed
@@ -201,12 +247,14 @@ class FusedMasterWeights(WithMasterWeights):
             out_scale = scale
         else:
             out_scale = _smaller(scale, earlier)
-            self._combine(scaler, scale, earlier, out_scale, fresh, new, old, alone)
+            self._combine(scaler, scale, earlier, out_scale, fresh, new, old, alone, earlier_flags)
         optimizer.most_recent_scale = out_scale
         optimizer.scale_set_by_backward = True
-        _unscale_models_are_masters(scaler, self.all_fp32_from_fp32_params, self.all_fp32_from_fp32_grad_stash)
+        self.fp32.unscale(scaler)
 
-    def _combine(self, scaler, scale, earlier, out_scale, fresh, new, old, alone):
+    def _combine(self, scaler: Any, scale: Any, earlier: Any, out_scale: Any, fresh: list[torch.Tensor],
+                 new: list[torch.Tensor], old: list[torch.Tensor], alone: list[torch.Tensor],
+                 earlier_flags: Sequence[torch.Tensor]) -> None:
         """Grads at ``scale`` (``fresh``, ``new``) and at ``earlier`` (``old``, ``alone``) -> ``out_scale``."""
         if not (new or alone or isinstance(out_scale, torch.Tensor) or out_scale != scale):
             return
@@ -223,11 +271,11 @@ class FusedMasterWeights(WithMasterWeights):
                 # skipped already (its stash may hold the inf an earlier pass was flagged for).
                 summed = torch.zeros_like(scratch)
                 _flag_non_finite(summed, new, scaler._ratio(1.0, out_scale))
-                if self.found_inf_by_loss:
-                    summed.mul_(1 - _combine_flags(list(self.found_inf_by_loss.values())))
+                if earlier_flags:
+                    summed.mul_(1 - combine_flags(earlier_flags))
                 torch.maximum(scaler.found_inf(), summed, out=scaler.found_inf())
 
-    def _scratch_flag(self, like):
+    def _scratch_flag(self, like: torch.Tensor) -> torch.Tensor:
         """A flag the combining ops may set (their inputs were checked already); never read."""
         flag = self._scratch_flags.get(like.device)
         if flag is None:

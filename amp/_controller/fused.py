@@ -32,7 +32,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .._compat import foreach_norm
-from ..multi_tensor_apply import multi_tensor_applier, multi_tensor_axpby, multi_tensor_scale
+from ..multi_tensor_apply import Scalar, multi_tensor_applier, multi_tensor_axpby, multi_tensor_scale
 from .grads import GradStash, MasterGrads, put_back, set_aside
 from .masters import Masters
 from .phase import Phase, combine_flags
@@ -49,13 +49,13 @@ def inverse(scale: float | torch.Tensor) -> float | torch.Tensor:
     return scale.detach().reshape(1).to(torch.float64).reciprocal().to(torch.float32)
 
 
-def _smaller(a, b):
+def _smaller(a: Scalar, b: Scalar) -> Scalar:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return torch.minimum(torch.as_tensor(a), torch.as_tensor(b))
     return min(a, b)
 
 
-def _peak_magnitude(grads):
+def _peak_magnitude(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     """The largest magnitude in ``grads`` as a 0-dim fp32 tensor, NaN if an element is NaN.
 
     On the CPU ``aminmax`` per tensor reads each grad once at about a copy's speed, where
@@ -71,7 +71,7 @@ def _peak_magnitude(grads):
     return torch.stack(foreach_norm(grads, float("inf"), dtype=torch.float32)).amax()
 
 
-def _flag_non_finite(flag, grads, inv_scale):
+def _flag_non_finite(flag: torch.Tensor, grads: Sequence[torch.Tensor], inv_scale: Scalar) -> None:
     """Set ``flag`` (1-element fp32) if a grad is not finite or overflows fp32 once unscaled; grads are only read.
 
     The largest magnitude decides both: rounding is monotonic, so if it unscales to a finite value,

@@ -19,7 +19,7 @@ of amp's.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Optional, Protocol, Sequence, Union
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
@@ -56,7 +56,7 @@ class _Scaler(Protocol):
 
     def unscale_into(self, model_grads: Sequence[torch.Tensor], master_grads: Sequence[torch.Tensor],
                      models_are_masters: bool = False,
-                     scale_override: Union[float, torch.Tensor, None] = None) -> None: ...
+                     scale_override: float | torch.Tensor | None = None) -> None: ...
 
 
 class ApexLossScalerNames:
@@ -64,7 +64,7 @@ class ApexLossScalerNames:
 
     def unscale(self: _Scaler, model_grads: Sequence[torch.Tensor], master_grads: Sequence[torch.Tensor],
                 unused_scale: object, models_are_masters: bool = False,
-                scale_override: Union[float, torch.Tensor, None] = None) -> None:
+                scale_override: float | torch.Tensor | None = None) -> None:
         """``master_grads[i] = model_grads[i] / scale`` (``LossScaler.unscale_into``); Apex passed the
         scale itself too, which is not needed."""
         self.unscale_into(model_grads, master_grads, models_are_masters, scale_override)
@@ -93,11 +93,11 @@ class ApexLossScalerNames:
 
 def attach_apex_methods(optimizer: Any, lazy_init: Callable[..., None], init_params: Callable[..., None],
                         set_grads_aside: Callable[[], None], unscale_grads: Callable[[Any], None],
-                        copy_masters_to_model: Optional[Callable[[], None]]) -> None:
+                        copy_masters_to_model: Callable[[], None] | None) -> None:
     """Give ``optimizer`` Apex's methods (``copy_masters_to_model``: under master weights only)."""
     optimizer._amp_lazy_init = lazy_init
-    # Apex's name, though it builds the param lists again: called after initialize, it finds the
-    # masters already in the param groups (amp made them at initialize).
+    # Apex built the param lists (and the masters) lazily here; amp builds them at initialize, and
+    # a call afterwards builds them again from param groups that hold the masters by then.
     optimizer._lazy_init_maybe_master_weights = init_params
     optimizer._prepare_amp_backward = set_grads_aside
     optimizer._post_amp_backward = unscale_grads
@@ -105,73 +105,37 @@ def attach_apex_methods(optimizer: Any, lazy_init: Callable[..., None], init_par
         optimizer._master_params_to_model_params = copy_masters_to_model
 
 
-class _Params(Protocol):
-    @property
-    def params(self) -> list[torch.Tensor]: ...
+class _Field:
+    """Apex's name for ``stash.weights.<path>`` on amp's controller (``stash``).
 
-    @property
-    def slots(self) -> list[Optional[torch.Tensor]]: ...
+    ``masters``: the field exists only on a stash with (True) or without (False) master weights.
+    """
 
+    def __init__(self, path: str, masters: bool | None = None) -> None:
+        self.path, self.masters = path.split("."), masters
 
-class _Masters(Protocol):
-    @property
-    def model_groups(self) -> list[list[torch.Tensor]]: ...
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
 
-    @property
-    def master_groups(self) -> list[list[torch.Tensor]]: ...
-
-    @property
-    def fp32_groups(self) -> list[list[torch.Tensor]]: ...
-
-    @property
-    def masters(self) -> list[torch.Tensor]: ...
-
-
-class _MasterGrads(Protocol):
-    @property
-    def buffers(self) -> list[Optional[torch.Tensor]]: ...
-
-
-class _Weights(Protocol):
-    @property
-    def low_params(self) -> list[torch.Tensor]: ...
-
-    @property
-    def low_slots(self) -> list[Optional[torch.Tensor]]: ...
-
-    @property
-    def fp32(self) -> _Params: ...
-
-
-class _MasterWeights(_Weights, Protocol):
-    @property
-    def masters(self) -> _Masters: ...
-
-    @property
-    def master_grads(self) -> _MasterGrads: ...
+    def __get__(self, stash: Any, owner: type | None = None) -> Any:
+        if stash is None:
+            return self
+        if self.masters is not None and stash.master_weights != self.masters:
+            raise AttributeError(f"'{type(stash).__name__}' object has no attribute '{self.name}'")
+        value = stash.weights
+        for name in self.path:
+            value = getattr(value, name)
+        return value
 
 
 class _Stash(Protocol):
-    """What ``ApexStashFields`` reads of amp's controller."""
-
-    @property
-    def weights(self) -> Any: ...
-
-    @property
-    def master_weights(self) -> bool: ...
+    """What ``ApexStashFields``' flags read of amp's controller."""
 
     @property
     def in_backward(self) -> bool: ...
 
     @property
     def grads_still_scaled(self) -> bool: ...
-
-
-def _weights(stash: _Stash, name: str, masters: bool) -> Any:
-    """``stash.weights``, if Apex's stash had the field ``name`` with master weights as ``stash`` has them."""
-    if stash.master_weights != masters:
-        raise AttributeError(f"'{type(stash).__name__}' object has no attribute '{name}'")
-    return stash.weights
 
 
 class ApexStashFields:
@@ -183,6 +147,18 @@ class ApexStashFields:
 
     # Apex patched step again after every overflow, and said so here; amp wraps it once.
     already_patched = False
+    all_fp16_params = _Field("low_params")
+    all_fp16_grad_stash = _Field("low_slots")
+    all_fp32_params = _Field("fp32.params", masters=False)
+    all_fp32_grad_stash = _Field("fp32.slots", masters=False)
+    all_fp32_from_fp32_params = _Field("fp32.params", masters=True)
+    all_fp32_from_fp32_grad_stash = _Field("fp32.slots", masters=True)
+    all_fp32_from_fp16_params = _Field("masters.masters", masters=True)
+    fp16_groups = _Field("masters.model_groups", masters=True)
+    fp32_from_fp16_groups = _Field("masters.master_groups", masters=True)
+    fp32_from_fp32_groups = _Field("masters.fp32_groups", masters=True)
+    # amp's own name from before its controller had parts, not Apex's.
+    master_grad_buffers = _Field("master_grads.buffers", masters=True)
 
     @property
     def in_scale_loss(self: _Stash) -> bool:
@@ -191,59 +167,3 @@ class ApexStashFields:
     @property
     def params_have_scaled_gradients(self: _Stash) -> bool:
         return self.grads_still_scaled
-
-    @property
-    def all_fp16_params(self: _Stash) -> list[torch.Tensor]:
-        weights: _Weights = self.weights
-        return weights.low_params
-
-    @property
-    def all_fp16_grad_stash(self: _Stash) -> list[Optional[torch.Tensor]]:
-        weights: _Weights = self.weights
-        return weights.low_slots
-
-    @property
-    def all_fp32_params(self: _Stash) -> list[torch.Tensor]:
-        weights: _Weights = _weights(self, "all_fp32_params", False)
-        return weights.fp32.params
-
-    @property
-    def all_fp32_grad_stash(self: _Stash) -> list[Optional[torch.Tensor]]:
-        weights: _Weights = _weights(self, "all_fp32_grad_stash", False)
-        return weights.fp32.slots
-
-    @property
-    def all_fp32_from_fp32_params(self: _Stash) -> list[torch.Tensor]:
-        weights: _MasterWeights = _weights(self, "all_fp32_from_fp32_params", True)
-        return weights.fp32.params
-
-    @property
-    def all_fp32_from_fp32_grad_stash(self: _Stash) -> list[Optional[torch.Tensor]]:
-        weights: _MasterWeights = _weights(self, "all_fp32_from_fp32_grad_stash", True)
-        return weights.fp32.slots
-
-    @property
-    def all_fp32_from_fp16_params(self: _Stash) -> list[torch.Tensor]:
-        weights: _MasterWeights = _weights(self, "all_fp32_from_fp16_params", True)
-        return weights.masters.masters
-
-    @property
-    def fp16_groups(self: _Stash) -> list[list[torch.Tensor]]:
-        weights: _MasterWeights = _weights(self, "fp16_groups", True)
-        return weights.masters.model_groups
-
-    @property
-    def fp32_from_fp16_groups(self: _Stash) -> list[list[torch.Tensor]]:
-        weights: _MasterWeights = _weights(self, "fp32_from_fp16_groups", True)
-        return weights.masters.master_groups
-
-    @property
-    def fp32_from_fp32_groups(self: _Stash) -> list[list[torch.Tensor]]:
-        weights: _MasterWeights = _weights(self, "fp32_from_fp32_groups", True)
-        return weights.masters.fp32_groups
-
-    @property
-    def master_grad_buffers(self: _Stash) -> list[Optional[torch.Tensor]]:
-        """amp's own name from before its controller had parts (not Apex's)."""
-        weights: _MasterWeights = _weights(self, "master_grad_buffers", True)
-        return weights.master_grads.buffers

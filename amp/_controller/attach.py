@@ -64,3 +64,4 @@ def attach_controller(optimizer: Any, context: AmpContext, param_names: dict[tor
     # Bound to the optimizer itself: an LR scheduler created later rebinds step's function to it.
     optimizer.step = types.MethodType(step, optimizer)
     controller.lazy_init(fp32_values)
+

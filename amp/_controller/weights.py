@@ -38,10 +38,18 @@ class Weights(Protocol):
     """What the controller asks of the part that says what is stepped."""
 
     master_weights: bool
-    fp32: GradStash
 
     @property
-    def low_params(self) -> list[torch.Tensor]: ...
+    def fp32(self) -> GradStash:
+        """The fp32 params, their own masters."""
+
+    @property
+    def low_params(self) -> list[torch.Tensor]:
+        """The model's low-precision params."""
+
+    @property
+    def low_slots(self) -> list[torch.Tensor | None]:
+        """Where their grads wait during a backward (not under plain master weights)."""
 
     @property
     def masters(self) -> Masters | None: ...

@@ -1,4 +1,14 @@
-"""Apex-style mixed precision for PyTorch 2.x: ``import amp`` where you had ``from apex import amp``."""
+"""Apex-style mixed precision for PyTorch 2.x: ``import amp`` where you had ``from apex import amp``.
+
+The path of a training step through the package: ``amp.initialize`` (``frontend.py``, its options
+in ``options.py``) hands models and optimizers to ``_initialize.py``, which makes the run
+(``_run.py``): its loss scalers (``scaler.py``), a controller per optimizer (``_controller/``) and
+the O1/O4 casts (``casting/``). ``amp.scale_loss`` (``handle.py``) checks its arguments and runs
+the block through the optimizers' controllers (``_controller/block.py``), whose scaler unscales
+the grads with the multi-tensor kernels (``multi_tensor_apply.py``). ``optimizer.step()`` is the
+controller's step, applied or skipped. Apex's names that amp's own code does not use live in
+``_apex_compat.py``.
+"""
 from . import multi_tensor_apply, optimizers
 from ._amp_state import _amp_state
 from ._overflow_report import LossScaleFloorError, NonFiniteGradientsError

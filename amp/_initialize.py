@@ -1,6 +1,10 @@
-"""What ``amp.initialize`` does to models: checks, casting, and the hooks of ``_model_hooks``.
+"""What ``amp.initialize`` does, once its arguments are checked (``frontend.py``): check the models and
+optimizers, then change them.
 
-Optimizers get their controllers from ``_controller.attach_controller``; loss scalers and O1/O4 patches are created here.
+Everything that can be refused is checked first, so a call that raises changes nothing. Then the
+run's loss scalers (``scaler.py``) are made, the models cast (with the hooks of ``_model_hooks``),
+each optimizer given its controller (``_controller.attach_controller``), the O1/O4 casting policy
+installed (``casting``), and the run published to ``_amp_state``.
 """
 import functools
 

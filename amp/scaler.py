@@ -187,12 +187,8 @@ class LossScaler(ApexLossScalerNames):
         self._host_scale.set(value, self._updates)
 
     def stuck_at_floor(self) -> bool:
-        """Whether the scale, as the host last learnt it, sits at its floor and that floor is below 1.
-
-        Read without a sync (on CUDA the host learns the scale a step or so late). A scale held
-        there by recurring overflows scales the gradients down so far that small fp16 ones flush
-        to zero, and applied steps stop changing the weights.
-        """
+        """Whether the scale, as the host last learnt it (without a sync: on CUDA a step or so late),
+        sits at its floor and that floor is below 1, where small fp16 gradients flush to zero."""
         return self._host_scale.at_floor
 
     def scale_tensor(self, device: torch.device | str) -> torch.Tensor:
@@ -265,8 +261,9 @@ class LossScaler(ApexLossScalerNames):
         self._place(model_grads[0].device)
         grads_have_scale, stashed_have_scale, out_scale = scale_override or (self._on_device.scale, 1.0, 1.0)
         model_factor = self._on_device.inv_scale if scale_override is None else self._ratio(out_scale, grads_have_scale)
-        multi_tensor_applier(multi_tensor_axpby, self._check_buffer(), [model_grads, stashed_master_grads, master_grads],
-                             model_factor, self._ratio(out_scale, stashed_have_scale), 0)
+        multi_tensor_applier(multi_tensor_axpby, self._check_buffer(),
+                             [model_grads, stashed_master_grads, master_grads], model_factor,
+                             self._ratio(out_scale, stashed_have_scale), 0)
         if self.dynamic:
             model_bound = (self._inverse_bound() if scale_override is None
                            else _factor_bound(out_scale, grads_have_scale))

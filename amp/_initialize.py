@@ -17,7 +17,7 @@ from ._apex_compat import APEX_METHODS, warn_or_err
 from ._master_weights import LOW_PRECISION_DTYPES, check_trainable_dtype, convert_network
 from ._model_hooks import cast_forward, register_fp32_state_dict_hooks, to_type
 from ._optimizer_wrappers import is_optimizer, is_optimizer_wrapper
-from ._controller import attach_controller
+from ._controller.attach import attach_controller
 from .scaler import LossScaler
 
 _PARALLEL_WRAPPERS = (nn.parallel.DistributedDataParallel, nn.DataParallel)

@@ -23,7 +23,7 @@ from ._run import AmpContext
 from .options import OPT_LEVELS, Options, check_bool, check_option, patch_type_of
 
 if TYPE_CHECKING:
-    from ._controller import OptimizerController
+    from ._controller.controller import OptimizerController
     from .scaler import LossScaler
 
 __all__ = ["initialize", "state_dict", "load_state_dict", "master_params", "last_step_applied",

@@ -12,7 +12,7 @@ from typing import Iterator, Sequence
 import torch
 
 from ._amp_state import _amp_state
-from ._controller import scale_loss_block
+from ._controller.block import scale_loss_block
 from ._fsdp import check_order
 from ._optimizer_wrappers import OptimizerLike, is_optimizer
 from ._run import AmpContext

@@ -2,11 +2,8 @@
 
 ``attach.py`` gives an optimizer its controller at ``initialize``; ``block.py`` runs one
 ``scale_loss`` block over the controllers of its optimizers; ``controller.py`` moves an optimizer
-through backward passes and steps; ``weights.py`` (with ``masters.py``, ``grads.py`` and
-``fused.py``) says what is stepped and how grads are set aside and unscaled.
+through backward passes and steps (its ``Phase`` in ``phase.py``, ``add_param_group``'s checks in
+``param_groups.py``); ``weights.py`` says what is stepped, from the parts in ``masters.py`` (fp32
+master weights) and ``grads.py`` (grads set aside and unscaled); ``fused.py`` is the variant for
+``amp.optimizers``.
 """
-from .attach import attach_controller
-from .block import controller_of, scale_loss_block
-from .controller import OptimizerController
-
-__all__ = ["attach_controller", "controller_of", "scale_loss_block", "OptimizerController"]

@@ -4,9 +4,9 @@ Each successful ``amp.initialize`` builds one run (``_run.AmpContext``) and publ
 ``_amp_state`` keeps Apex's fields as a read view of the latest run for code that pokes it
 (``amp._amp_state.loss_scalers[0]``), Apex's switches (``hard_override``,
 ``allow_incoming_model_not_fp32``), and the runs ``amp.state_dict`` saves (``live_runs``). The
-O1/O4 function patches are process-wide and their latest handle lives here too (``handle``);
-each run keeps its own casting policy, which its models apply inside their forward
-(``casting/policy.py``).
+O1/O4 function patches are process-wide; ``handle`` shows the latest ``init``'s handle, which the
+patcher keeps (``casting/patcher.py``). Each run keeps its own casting policy, which its models
+apply inside their forward (``casting/policy.py``).
 
 ``verbosity`` here is also what messages that belong to no run follow (``_logging.maybe_print``).
 """

@@ -44,9 +44,15 @@ except ImportError as err:
     _import_error = err
 else:
     _import_error = None
+    if getattr(amp_C, "AMP_APEX_STAND_IN", False):
+        # With the drop-in switch on, `import amp_C` answers where none is built: its ops are this
+        # module's, so amp has no kernels to call.
+        _import_error = ImportError("amp_C is not built (the module of that name is the apex "
+                                    "drop-in's stand-in, which serves amp's PyTorch ops)")
+        amp_C = None
     # NVIDIA Apex ships a module of the same name whose ops lack amp's arguments (e.g. Adam's
     # inv_scale, the scale update's clamp): amp's own build answers build_info(), Apex's does not.
-    if not hasattr(amp_C, "build_info"):
+    elif not hasattr(amp_C, "build_info"):
         _import_error = ImportError(
             f"the amp_C found at {getattr(amp_C, '__file__', '?')} is not amp's (NVIDIA Apex's, or one "
             "built from an older amp): amp does not call it")

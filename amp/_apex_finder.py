@@ -19,8 +19,8 @@ Who answers ``apex.<name>...`` is decided per first-level name, at import time:
   modules a package of ``PACKAGES`` lacks (``apex.amp.<name>`` that amp itself has no module for).
 * ``apex`` itself is NVIDIA Apex's where it is installed, else the mirror's (``apex.__file__``
   exists). ``amp_C`` and ``apex_C``, Apex's extensions that Apex-era scripts import at the top,
-  are the mirror's stand-ins (``amp._apex.amp_C``, ``amp._apex.apex_C``) where no NVIDIA Apex is
-  installed and no module of that name exists (a built ``amp_C`` is always used as it is).
+  are NVIDIA Apex's where it is installed, else the mirror's stand-ins (``amp._apex.amp_C``,
+  ``amp._apex.apex_C``): Apex's op names on amp's ops, with amp's built ``amp_C`` behind them.
 
 A module served here is the same module object as its target, registered under both names.
 """
@@ -156,9 +156,7 @@ class ApexAliasFinder:
         """The module of ours that answers ``fullname`` in this process, or None (NVIDIA Apex's,
         another module's, or nobody's). Imports nothing."""
         if fullname in EXTENSIONS:
-            if nvidia_apex_spec() is not None or PathFinder.find_spec(fullname) is not None:
-                return None
-            return f"{self.mirror}.{fullname}"
+            return None if nvidia_apex_spec() is not None else f"{self.mirror}.{fullname}"
         if fullname != "apex" and not fullname.startswith("apex."):
             return None
         apex_spec = nvidia_apex_spec()

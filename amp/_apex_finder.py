@@ -1,54 +1,78 @@
-"""The import hook behind ``python -m amp.apex enable``: ``apex.amp`` and friends are this package.
+"""The import hook behind ``python -m amp.apex enable``: Apex-era imports served by this package.
 
-It uses the standard library only and never imports ``amp`` until an ``apex`` module is imported,
-because the ``.pth`` file written by ``enable`` loads it (by path, not as ``amp._apex_finder``)
-at the start of every Python process of the environment.
+The ``.pth`` line that ``enable`` writes loads this file by path (not as ``amp._apex_finder``) at
+the start of every Python process of the environment, so it imports nothing at module level but
+``importlib.machinery`` (a thin name for the import system itself): amp, ``importlib.util`` and
+``importlib.metadata`` are imported only when an ``apex`` module (or ``amp_C``, ``apex_C``) is
+imported, or when a metadata probe asks for ``apex`` by name.
 
-Two worlds:
+Who answers ``apex.<name>...`` is decided per first-level name, at import time:
 
-(a) No NVIDIA Apex on ``sys.path``: ``apex`` is an empty package of ours, and every entry of
-    ``ALIASES`` and ``ALIASES_WITHOUT_NVIDIA_APEX`` answers; ``importlib.metadata`` knows a
-    distribution ``apex`` (what libraries probe before ``from apex import amp``).
-(b) NVIDIA Apex is installed: ``apex`` and everything it ships stay its own; only the names of
-    ``ALIASES`` that it no longer ships (``amp``, ``fp16_utils``) answer, as its submodules.
+* NVIDIA Apex is installed (an ``apex`` package on ``sys.path``) and ships ``apex/<name>``: Apex,
+  for everything below it too. A module its package lacks (``apex.optimizers.something_old``) stays
+  Apex's own ``ModuleNotFoundError``: one of ours inside its package would mix two
+  implementations (an old Apex that ships ``apex.amp`` must never get our ``apex.amp.scaler``).
+* otherwise amp, where it has the module: ``PACKAGES`` maps a name onto a package of ours that
+  *is* it (``apex.amp is amp``, ``apex.amp.frontend is amp.frontend``: state is shared); every
+  other module comes from the mirror ``amp._apex.apex``, Apex's layout rebuilt on amp
+  (``apex.parallel.LARC``, ``apex.multi_tensor_apply.multi_tensor_apply``), which also holds the
+  modules a package of ``PACKAGES`` lacks (``apex.amp.<name>`` that amp itself has no module for).
+* ``apex`` itself is NVIDIA Apex's where it is installed, else the mirror's (``apex.__file__``
+  exists). ``amp_C`` and ``apex_C``, Apex's extensions that Apex-era scripts import at the top,
+  are NVIDIA Apex's where it is installed, else the mirror's stand-ins (``amp._apex.amp_C``,
+  ``amp._apex.apex_C``): Apex's op names on amp's ops, with amp's built ``amp_C`` behind them.
 
-An alias is the same module object as its target (``apex.amp is amp``), so state is shared.
+A module served here is the same module object as its target, registered under both names.
 """
-import importlib
-import importlib.abc
-import importlib.machinery
-import importlib.metadata
-import pathlib
-import re
 import sys
+from importlib.machinery import ModuleSpec, PathFinder
 
-__all__ = ["ALIASES", "ALIASES_WITHOUT_NVIDIA_APEX", "ApexAliasFinder", "install", "installed_finder"]
+__all__ = ["PACKAGES", "MIRROR", "EXTENSIONS", "ApexAliasFinder", "nvidia_apex_spec",
+           "nvidia_apex_ships", "find", "install", "installed_finder"]
 
-#: ``apex.<name>`` -> our module, in both worlds (unless the installed Apex ships ``<name>``).
-ALIASES = {"amp": "amp", "fp16_utils": "fp16_utils"}
-#: ``apex.<name>`` -> our module, only where no NVIDIA Apex is installed (it ships these itself).
-ALIASES_WITHOUT_NVIDIA_APEX = {
-    "multi_tensor_apply": "amp.multi_tensor_apply",
-    "optimizers": "amp.optimizers",
-    "parallel": "amp.parallel",
-}
-
-_AMP_DIR = pathlib.Path(__file__).resolve().parent
+#: ``apex.<name>`` -> the package of ours that is it (its modules answer below it).
+PACKAGES = {"amp": "amp", "fp16_utils": "fp16_utils", "optimizers": "amp.optimizers"}
+#: Apex's installed layout on top of amp: ``<MIRROR>.apex.<path>`` answers ``apex.<path>``.
+MIRROR = "amp._apex"
+#: Apex's compiled extensions, which the mirror stands in for where none is installed.
+EXTENSIONS = ("amp_C", "apex_C")
 
 
 def nvidia_apex_spec():
     """The spec of an ``apex`` package on ``sys.path`` (NVIDIA's), or None; meta-path hooks ignored."""
-    return importlib.machinery.PathFinder.find_spec("apex")
+    return PathFinder.find_spec("apex")
 
 
-class _AliasLoader(importlib.abc.Loader):
-    """Loads ``apex.<name>`` as the already importable module ``target`` itself."""
+def nvidia_apex_ships(name, apex_spec):
+    """Whether the NVIDIA Apex of ``apex_spec`` has a module or package ``apex.<name>``."""
+    return PathFinder.find_spec("apex." + name, apex_spec.submodule_search_locations) is not None
 
-    def __init__(self, alias, target):
-        self.alias = alias
+
+def find(name):
+    """The spec of module ``name``, or None where there is none. Nothing is imported, so that
+    ``importlib.util.find_spec("apex")`` (a probe many libraries make) stays cheap: the top-level
+    package is found by the import system's finders, the rest by path below it."""
+    import importlib.util
+
+    parts = name.split(".")
+    spec = importlib.util.find_spec(parts[0])
+    for depth in range(2, len(parts) + 1):
+        if spec is None or spec.submodule_search_locations is None:
+            return None
+        spec = PathFinder.find_spec(".".join(parts[:depth]), spec.submodule_search_locations)
+    return spec
+
+
+class _AliasLoader:
+    """Loads a name as the already importable module ``target`` itself."""
+
+    def __init__(self, target, mirror):
         self.target = target
+        self.mirror = mirror
 
     def create_module(self, spec):
+        import importlib
+
         module = importlib.import_module(self.target)
         self._own_spec = module.__spec__
         # Register the target's submodules under the alias too: ``import apex.amp._amp_state`` then
@@ -57,92 +81,113 @@ class _AliasLoader(importlib.abc.Loader):
         prefix = self.target + "."
         for name, submodule in list(sys.modules.items()):
             if name.startswith(prefix):
-                sys.modules.setdefault(self.alias + name[len(self.target):], submodule)
+                sys.modules.setdefault(spec.name + name[len(self.target):], submodule)
+        self._register_mirror_modules_named_like_attributes(spec.name, module)
         return module
+
+    def _register_mirror_modules_named_like_attributes(self, alias, module):
+        # A mirror module that shares its name with an attribute of the target (apex.amp's
+        # ``__version__`` module, amp's ``__version__`` string) would replace that attribute when
+        # imported (the import system binds a submodule onto its parent): registered here instead,
+        # it is found in sys.modules and binds nothing, as Apex's own package did.
+        import importlib
+        import pkgutil
+
+        mirror_package = f"{self.mirror}.{alias}"
+        if mirror_package == self.target or getattr(module, "__path__", None) is None:
+            return
+        mirror_spec = find(mirror_package)
+        if mirror_spec is None or mirror_spec.submodule_search_locations is None:
+            return
+        for info in pkgutil.iter_modules(mirror_spec.submodule_search_locations):
+            if hasattr(module, info.name) and find(f"{self.target}.{info.name}") is None:
+                sys.modules.setdefault(f"{alias}.{info.name}",
+                                       importlib.import_module(f"{mirror_package}.{info.name}"))
 
     def exec_module(self, module):
         # The import system stamped the alias's spec on the module: it keeps its own.
         module.__spec__ = self._own_spec
 
-
-class _ApexPackageLoader(importlib.abc.Loader):
-    """World (a): ``apex`` itself, an empty package whose submodules are the aliases."""
-
-    def create_module(self, spec):
-        return None
-
-    def exec_module(self, module):
-        module.__doc__ = ("amp's stand-in for NVIDIA Apex (python -m amp.apex status): apex.amp is "
-                          "amp, apex.fp16_utils is fp16_utils, apex.parallel is amp.parallel.")
-
-        # Apex's own __init__ imported amp and friends, so `import apex; apex.amp....` worked:
-        # imported on first access here, to keep `import apex` itself light.
-        def __getattr__(name):
-            if name in ALIASES or name in ALIASES_WITHOUT_NVIDIA_APEX:
-                return importlib.import_module("apex." + name)
-            raise AttributeError(f"module 'apex' has no attribute {name!r}")
-
-        module.__getattr__ = __getattr__
+    def get_code(self, fullname):
+        """The target's code: ``python -m apex.parallel.multiproc`` runs it through runpy."""
+        spec = find(self.target)
+        get_code = getattr(spec.loader if spec is not None else None, "get_code", None)
+        if get_code is None:
+            raise ImportError(f"no code object available for {fullname} ({self.target})", name=fullname)
+        return get_code(self.target)
 
 
-def _amp_version():
-    text = (_AMP_DIR / "__init__.py").read_text()
-    match = re.search(r'^__version__ = "([^"]+)"', text, re.MULTILINE)
-    return match.group(1) if match else "0"
+def _apex_distribution_class():
+    """World (a): the metadata that ``importlib.metadata.version("apex")`` and friends read.
+    Built on first use: importing ``importlib.metadata`` costs every start-up ~10 ms."""
+    import importlib.metadata
+    import pathlib
+    import re
+
+    amp_dir = pathlib.Path(__file__).resolve().parent
+
+    class ApexDistribution(importlib.metadata.Distribution):
+        def read_text(self, filename):
+            if filename == "METADATA":
+                text = (amp_dir / "__init__.py").read_text()
+                match = re.search(r'^__version__ = "([^"]+)"', text, re.MULTILINE)
+                version = match.group(1) if match else "0"
+                return (f"Metadata-Version: 2.1\nName: apex\nVersion: {version}\n"
+                        "Summary: amp's drop-in for NVIDIA Apex (python -m amp.apex status)\n")
+            if filename == "top_level.txt":
+                return "apex\n"
+            return None
+
+        def locate_file(self, path):
+            return amp_dir.parent / path
+
+    return ApexDistribution
 
 
-class _ApexDistribution(importlib.metadata.Distribution):
-    """World (a): the metadata that ``importlib.metadata.version("apex")`` and friends read."""
-
-    def read_text(self, filename):
-        if filename == "METADATA":
-            return (f"Metadata-Version: 2.1\nName: apex\nVersion: {_amp_version()}\n"
-                    "Summary: amp's drop-in for NVIDIA Apex's amp, fp16_utils and parallel\n")
-        if filename == "top_level.txt":
-            return "apex\n"
-        return None
-
-    def locate_file(self, path):
-        return _AMP_DIR.parent / path
-
-
-class ApexAliasFinder(importlib.abc.MetaPathFinder):
-    """A ``sys.meta_path`` finder answering ``apex`` and ``apex.*`` as described above."""
+class ApexAliasFinder:
+    """A ``sys.meta_path`` finder answering ``apex``, ``apex.*``, ``amp_C`` and ``apex_C`` as above."""
 
     amp_apex_dropin = True  # how ``status`` recognises it, whichever copy of this module made it
 
-    def _target(self, head, nvidia_apex):
-        if nvidia_apex is None:
-            return ALIASES.get(head) or ALIASES_WITHOUT_NVIDIA_APEX.get(head)
-        if head not in ALIASES:
-            return None
-        # Never shadow what the installed Apex still ships.
-        shipped = importlib.machinery.PathFinder.find_spec(
-            "apex." + head, nvidia_apex.submodule_search_locations)
-        return None if shipped is not None else ALIASES[head]
+    def __init__(self, mirror=MIRROR):
+        self.mirror = mirror
 
-    def find_spec(self, fullname, path=None, target=None):
+    def target(self, fullname):
+        """The module of ours that answers ``fullname`` in this process, or None (NVIDIA Apex's,
+        another module's, or nobody's). Imports nothing."""
+        if fullname in EXTENSIONS:
+            return None if nvidia_apex_spec() is not None else f"{self.mirror}.{fullname}"
         if fullname != "apex" and not fullname.startswith("apex."):
             return None
-        nvidia_apex = nvidia_apex_spec()
+        apex_spec = nvidia_apex_spec()
         if fullname == "apex":
-            if nvidia_apex is not None:
-                return None
-            return importlib.machinery.ModuleSpec("apex", _ApexPackageLoader(), is_package=True)
+            return None if apex_spec is not None else f"{self.mirror}.apex"
         head, _, tail = fullname[len("apex."):].partition(".")
-        alias_target = self._target(head, nvidia_apex)
+        if apex_spec is not None and nvidia_apex_ships(head, apex_spec):
+            return None
+        candidates = [f"{self.mirror}.{fullname}"]
+        if head in PACKAGES:
+            candidates.insert(0, PACKAGES[head] + ("." + tail if tail else ""))
+        return next((name for name in candidates if find(name) is not None), None)
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname not in EXTENSIONS and fullname != "apex" and not fullname.startswith("apex."):
+            return None  # the fast path: every other import of the process
+        alias_target = self.target(fullname)
         if alias_target is None:
             return None
-        if tail:
-            alias_target += "." + tail
-        return importlib.machinery.ModuleSpec(fullname, _AliasLoader(fullname, alias_target))
+        # A loader by protocol: subclassing importlib.abc.Loader would import importlib.abc (and
+        # with it importlib.resources, zipfile, ...) at every start-up.
+        return ModuleSpec(fullname, _AliasLoader(alias_target, self.mirror))  # type: ignore[arg-type]
 
-    def find_distributions(self, context=importlib.metadata.DistributionFinder.Context()):
-        if context.name is not None and re.sub(r"[-_.]+", "-", context.name).lower() != "apex":
+    def find_distributions(self, context=None):
+        """``apex``'s metadata, world (a) only, and only to a probe that asks for it by name:
+        listings of every distribution (pip's ``freeze``, ``install``, ``uninstall``) never see
+        it, so pip never takes the stand-in for an installed NVIDIA Apex."""
+        name = getattr(context, "name", None)
+        if name is None or name.lower() != "apex" or nvidia_apex_spec() is not None:
             return iter(())
-        if nvidia_apex_spec() is not None:
-            return iter(())
-        return iter((_ApexDistribution(),))
+        return iter((_apex_distribution_class()(),))
 
 
 def installed_finder():

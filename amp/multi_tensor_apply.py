@@ -44,9 +44,13 @@ except ImportError as err:
     _import_error = err
 else:
     _import_error = None
+    if getattr(amp_C, "AMP_APEX_STAND_IN", False):
+        # With the drop-in switch on, `import amp_C` is its stand-in (Apex's op names on this
+        # module's ops): the extension, if built, is behind it.
+        amp_C, _import_error = amp_C.built, amp_C.built_error
     # NVIDIA Apex ships a module of the same name whose ops lack amp's arguments (e.g. Adam's
     # inv_scale, the scale update's clamp): amp's own build answers build_info(), Apex's does not.
-    if not hasattr(amp_C, "build_info"):
+    if amp_C is not None and not hasattr(amp_C, "build_info"):
         _import_error = ImportError(
             f"the amp_C found at {getattr(amp_C, '__file__', '?')} is not amp's (NVIDIA Apex's, or one "
             "built from an older amp): amp does not call it")

@@ -1,5 +1,9 @@
 """Apex's legacy mixed-precision utilities: fp32 master weights by hand (``fp16util``), the
-legacy loss scalers, and ``FP16_Optimizer``. Deprecated in Apex; kept so old code runs."""
+legacy loss scalers, and ``FP16_Optimizer``. Deprecated in Apex; kept so old code runs.
+
+``from fp16_utils import *`` (``from apex.fp16_utils import *`` through the drop-in switch) binds
+the names Apex's package gave, its three modules included."""
+from . import fp16_optimizer, fp16util, loss_scaler
 from ._deprecation import DeprecatedFeatureWarning
 from .fp16_optimizer import FP16_Optimizer
 from .fp16util import (
@@ -33,4 +37,7 @@ __all__ = [
     "convert_network",
     "FP16Model",
     "DeprecatedFeatureWarning",
+    "fp16util",
+    "fp16_optimizer",
+    "loss_scaler",
 ]

@@ -18,6 +18,12 @@ from amp.multi_tensor_apply import multi_tensor_applier, multi_tensor_scale
 from amp.scaler import LossScaler
 
 from ._deprecation import deprecated_warning
+# Apex's module held these too (`from apex.fp16_utils.fp16_optimizer import clip_grad_norm`).
+from .fp16util import (  # noqa: F401
+    clip_grad_norm,
+    master_params_to_model_params,
+    model_grads_to_master_grads,
+)
 
 __all__ = ["FP16_Optimizer"]
 

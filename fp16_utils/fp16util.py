@@ -2,7 +2,7 @@
 dtype while keeping batch norm in fp32, and keeping fp32 master copies of low-precision params."""
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence, TypeVar
+from typing import Any, Iterable, NoReturn, Sequence, TypeVar
 
 import torch
 import torch.nn as nn
@@ -35,6 +35,9 @@ __all__ = [
     "master_params_to_model_params",
     "to_python_float",
     "clip_grad_norm",
+    "backwards_debug_hook",
+    "TORCH_MAJOR",
+    "TORCH_MINOR",
 ]
 
 
@@ -185,3 +188,12 @@ def to_python_float(t: torch.Tensor | Sequence[float]) -> float:
 
 
 clip_grad_norm = torch.nn.utils.clip_grad_norm_
+
+#: torch's major and minor version numbers, which Apex's module held for its version checks.
+TORCH_MAJOR, TORCH_MINOR = (int(part) for part in torch.__version__.split(".")[:2])
+
+
+def backwards_debug_hook(grad: torch.Tensor) -> NoReturn:
+    """``tensor.register_hook(backwards_debug_hook)`` on a tensor that must never get a gradient
+    (Apex's debugging aid for flat fp32 masters): raises when one arrives."""
+    raise RuntimeError("master_params received a gradient in the backward pass!")

@@ -12,6 +12,7 @@ from typing import Any, Iterable
 import torch
 
 from ._deprecation import deprecated_warning
+from .fp16util import to_python_float  # noqa: F401  (Apex's module held it too)
 
 __all__ = ["LossScaler", "DynamicLossScaler"]
 

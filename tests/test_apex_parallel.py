@@ -12,7 +12,15 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import amp
-from amp.parallel import LARC, DistributedDataParallel, SyncBatchNorm, convert_syncbn_model
+from amp.parallel import (
+    LARC,
+    DistributedDataParallel,
+    Reducer,
+    SyncBatchNorm,
+    convert_syncbn_model,
+    create_syncbn_process_group,
+)
+from amp.parallel.distributed import flat_dist_call
 from amp_common import batch, loss_of, net
 from test_distributed import WORLD, finish, free_port, same_on_every_rank
 
@@ -112,10 +120,54 @@ def apex_recipe_scenario(rank):
                 finite=all(torch.isfinite(torch.tensor(losses)).tolist()))
 
 
+def reducer_scenario(rank):
+    """Apex's Reducer and flat_dist_call against the per-rank values gathered by hand."""
+    model = net(seed=rank)
+    rank0 = [p.detach().clone() for p in net(seed=0).parameters()]
+    reducer = Reducer(model)
+    broadcast = all(torch.equal(p, q) for p, q in zip(model.parameters(), rank0))
+    loss_of(model(batch(rank))).backward()
+    mine = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    every = [torch.empty_like(mine) for _ in range(WORLD)]
+    dist.all_gather(every, mine)
+    reducer.reduce()
+    averaged = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    tensors = [torch.full((3,), float(rank + 1)), torch.full((2,), float(rank + 1), dtype=torch.float16)]
+    flat_dist_call(tensors, dist.broadcast, (1,))
+    lonely = nn.Linear(2, 2)
+    if rank == 0:
+        lonely(torch.ones(1, 2)).sum().backward()
+    try:
+        Reducer(lonely).reduce()
+        mismatch = "no error"
+    except RuntimeError as error:
+        mismatch = str(error)
+    return dict(broadcast=broadcast, averaged=torch.allclose(averaged, sum(every) / WORLD, rtol=1e-6),
+                flat_broadcast=all(torch.equal(t, torch.full_like(t, 2.0)) for t in tensors),
+                mismatch="gradient on some ranks and none on others" in mismatch)
+
+
+def syncbn_group_scenario(rank):
+    """Groups of one rank: SyncBatchNorm then normalises over this rank's rows alone."""
+    whole_world = create_syncbn_process_group(0)
+    group = create_syncbn_process_group(1)
+    bn = nn.BatchNorm1d(4)
+    synced = SyncBatchNorm(4, process_group=group)
+    x = batch(20 + rank)
+    try:
+        create_syncbn_process_group(WORLD + 1)
+        indivisible = "no error"
+    except ValueError as error:
+        indivisible = str(error)
+    return dict(whole_world=whole_world is None, alone=torch.allclose(synced(x), bn(x), atol=1e-6),
+                indivisible=f"must divide the world size {WORLD}" in indivisible)
+
+
 def worker(rank, port, out_dir):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     results = dict(reduction=reduction_scenario(rank), buckets=bucket_scenario(),
-                   syncbn=syncbn_scenario(rank), recipe=apex_recipe_scenario(rank))
+                   syncbn=syncbn_scenario(rank), recipe=apex_recipe_scenario(rank),
+                   reducer=reducer_scenario(rank), syncbn_group=syncbn_group_scenario(rank))
     finish(rank, results, out_dir)
 
 
@@ -147,6 +199,30 @@ def test_syncbn_on_cpu_gloo_equals_batchnorm_over_every_rank(ranks, what):
 def test_apex_recipe_ddp_syncbn_larc_o2_keeps_ranks_bit_identical(ranks):
     for result in ranks:
         assert result["recipe"] == dict(params_equal=True, masters_equal=True, buffers_equal=True, finite=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("what", ["broadcast", "averaged", "flat_broadcast", "mismatch"])
+def test_reducer_broadcasts_rank0_params_and_averages_grads_on_demand(ranks, what):
+    assert all(result["reducer"][what] for result in ranks)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("what", ["whole_world", "alone", "indivisible"])
+def test_create_syncbn_process_group_gives_each_rank_its_groups_statistics(ranks, what):
+    assert all(result["syncbn_group"][what] for result in ranks)
+
+
+@pytest.mark.parametrize("group_size, match", [(-1, "int >= 0"), (1.5, "int >= 0"), (True, "int >= 0"),
+                                               (2, "needs torch.distributed")])
+def test_create_syncbn_process_group_refuses_bad_sizes_and_a_missing_group(group_size, match):
+    with pytest.raises((ValueError, RuntimeError), match=match):
+        create_syncbn_process_group(group_size)
+
+
+def test_reducer_without_a_process_group_says_to_start_one():
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        Reducer(nn.Linear(2, 2))
 
 
 @pytest.mark.parametrize("argument, value, advice", [

@@ -1,4 +1,5 @@
-"""``DistributedDataParallel`` with Apex's constructor, on top of torch's DDP.
+"""``DistributedDataParallel`` with Apex's constructor, on top of torch's DDP; Apex's ``Reducer``
+and its flat collective helper.
 
 Apex-era scripts build ``apex.parallel.DistributedDataParallel(model, message_size=...,
 delay_allreduce=True, ...)``. Every argument that has a meaning in torch's DDP is mapped onto it
@@ -9,12 +10,14 @@ the way to get the same effect.
 from __future__ import annotations
 
 import numbers
-from typing import Any
+from collections import OrderedDict
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-__all__ = ["DistributedDataParallel"]
+__all__ = ["DistributedDataParallel", "Reducer", "flat_dist_call", "split_by_type", "extract_tensors"]
 
 _MB = 2 ** 20
 
@@ -161,3 +164,86 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             options = _HookOptions(ddp_kwargs.get("process_group"), allreduce_always_fp32,
                                    gradient_average, float(factor))
             self.register_comm_hook(options, _apex_allreduce_hook)
+
+
+def split_by_type(tensors: Iterable[torch.Tensor]) -> OrderedDict[str, list[torch.Tensor]]:
+    """Apex's grouping: the tensors by ``tensor.type()`` (dtype and device kind), in first-seen order."""
+    buckets: OrderedDict[str, list[torch.Tensor]] = OrderedDict()
+    for tensor in tensors:
+        buckets.setdefault(tensor.type(), []).append(tensor)
+    return buckets
+
+
+def flat_dist_call(tensors: Iterable[torch.Tensor], call: Callable[..., Any],
+                   extra_args: Sequence[Any] | None = None) -> None:
+    """Run the collective ``call(flat, *extra_args)`` once per kind of tensor, on a flat copy of
+    them, and copy the result back into ``tensors`` (Apex's helper, e.g.
+    ``flat_dist_call(params, dist.broadcast, (0,))``). As in Apex, ``dist.all_reduce``'s sum is
+    divided by the world size: the tensors end up averaged over the ranks.
+    """
+    buckets = list(split_by_type(tensors).values())
+    for bucket in buckets:
+        if len({t.device for t in bucket}) > 1:
+            raise ValueError("flat_dist_call: tensors of one type must be on one device, got "
+                             f"{sorted({str(t.device) for t in bucket})}.")
+    for bucket in buckets:
+        flat = _flatten_dense_tensors(bucket)
+        call(flat, *(extra_args or ()))
+        if call is dist.all_reduce:
+            flat /= dist.get_world_size()
+        with torch.no_grad():
+            for tensor, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+                tensor.copy_(synced)
+
+
+def extract_tensors(maybe_tensor: object, tensor_list: list[torch.Tensor]) -> None:
+    """Append every tensor in ``maybe_tensor`` (a tensor, or nested iterables of them) to
+    ``tensor_list``; anything else is skipped (Apex's helper)."""
+    if torch.is_tensor(maybe_tensor):
+        tensor_list.append(maybe_tensor)
+    elif isinstance(maybe_tensor, Iterable) and not isinstance(maybe_tensor, (str, bytes)):
+        for item in maybe_tensor:
+            extract_tensors(item, tensor_list)
+
+
+class Reducer:
+    """All-reduce (average) gradients across the ranks when you call ``reduce()``, not during the
+    backward pass as ``DistributedDataParallel`` does: e.g. once every few accumulation steps.
+
+    Apex's class. Given a module, it broadcasts rank 0's parameters at construction (so the ranks
+    start equal) and ``reduce()`` averages the gradients its parameters hold at that moment. Given
+    tensors (nested iterables allowed), ``reduce()`` averages exactly those tensors: pass the
+    gradient tensors themselves, and keep them (``zero_grad(set_to_none=False)``), since new
+    ``.grad`` tensors are not seen.
+    """
+
+    def __init__(self, module_or_grads_list: torch.nn.Module | Iterable[Any]) -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("Reducer needs torch.distributed: call "
+                               "torch.distributed.init_process_group(...) first.")
+        self.module: torch.nn.Module | None
+        self.grads: list[torch.Tensor] = []
+        if isinstance(module_or_grads_list, torch.nn.Module):
+            self.module = module_or_grads_list
+            flat_dist_call([p.detach() for p in self.module.parameters()], dist.broadcast, (0,))
+        else:
+            self.module = None
+            extract_tensors(module_or_grads_list, self.grads)
+
+    def reduce(self) -> None:
+        """Average the gradients (or the tensors given) over the ranks, in place."""
+        if self.module is None:
+            flat_dist_call(self.grads, dist.all_reduce)
+            return
+        params = list(self.module.parameters())
+        if params:
+            # Per parameter, across the ranks: (has a gradient somewhere, lacks one somewhere).
+            flags = torch.tensor([[p.grad is not None, p.grad is None] for p in params],
+                                 dtype=torch.int32, device=params[0].device)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            if bool(flags.all(dim=1).any()):
+                # Else the ranks would all-reduce flat buffers of different sizes: a hang or garbage.
+                raise RuntimeError("Reducer.reduce: some parameters have a gradient on some ranks "
+                                   "and none on others; give every rank the same parameters' "
+                                   "gradients (or use DistributedDataParallel).")
+        flat_dist_call([p.grad for p in params if p.grad is not None], dist.all_reduce)

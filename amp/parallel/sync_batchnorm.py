@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["SyncBatchNorm", "convert_syncbn_model"]
+__all__ = ["SyncBatchNorm", "convert_syncbn_model", "create_syncbn_process_group"]
 
 
 class _AllReduceSum(torch.autograd.Function):
@@ -136,3 +136,28 @@ def convert_syncbn_model(module: nn.Module, process_group: dist.ProcessGroup | N
         if new_child is not child:
             setattr(module, name, new_child)
     return module
+
+
+def create_syncbn_process_group(group_size: int) -> dist.ProcessGroup | None:
+    """The process group of ``group_size`` consecutive ranks that holds this rank, for
+    ``SyncBatchNorm(process_group=...)`` / ``convert_syncbn_model``: statistics are then shared
+    within groups of ``group_size`` ranks only (Apex's function). ``group_size=0`` means the whole
+    world (returns None, the default group). Every rank must call it, with the same value: each
+    group is created collectively.
+    """
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 0:
+        raise ValueError(f"group_size must be an int >= 0 (0: the whole world), got {group_size!r}.")
+    if group_size == 0:
+        return None
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("create_syncbn_process_group needs torch.distributed: call "
+                           "torch.distributed.init_process_group(...) first.")
+    world_size = dist.get_world_size()
+    if world_size % group_size != 0:
+        raise ValueError(f"group_size {group_size} must divide the world size {world_size}.")
+    mine = None
+    for start in range(0, world_size, group_size):
+        group = dist.new_group(ranks=list(range(start, start + group_size)))
+        if start <= dist.get_rank() < start + group_size:
+            mine = group
+    return mine

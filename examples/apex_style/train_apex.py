@@ -21,7 +21,8 @@ import torch.nn.functional as F
 
 try:
     from apex import amp
-    from apex.parallel import LARC, convert_syncbn_model
+    from apex.parallel import convert_syncbn_model
+    from apex.parallel.LARC import LARC
     from apex.parallel import DistributedDataParallel as DDP
 except ImportError as error:
     sys.exit(f"train_apex.py: {error}. Run `python -m amp.apex enable` first.")

@@ -1,8 +1,8 @@
 """Multi-tensor ops with ``amp_C``'s signatures, and the one place that picks their implementation.
 
 Each op below runs the compiled ``amp_C`` kernel when the extension can handle the tensors' device,
-and the pure-PyTorch version in ``amp._torch_ops`` otherwise. Both give the same bits (see
-``amp._torch_ops`` for the rounding contract), so a missing extension costs speed, never results.
+and the pure-PyTorch version in ``amp._pytorch_ops`` otherwise. Both give the same bits (see
+``amp._pytorch_ops`` for the rounding contract), so a missing extension costs speed, never results.
 
 The rule, evaluated per call on the device of the first tensor:
 
@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterator, Sequence, TypeVar, Union
 
 import torch
 
-from amp import _torch_ops
+from amp import _pytorch_ops
 from amp._amp_state import maybe_print
 from amp._compat import local_tensor
 
@@ -54,7 +54,7 @@ else:
 
 # The ops keep amp_C's names; the list lives with their PyTorch versions.
 __all__ = ["MultiTensorApply", "multi_tensor_applier", "use_extension", "path_for", "covers",
-           "TensorLists", "Scalar", *_torch_ops.__all__]
+           "TensorLists", "Scalar", *_pytorch_ops.__all__]
 
 #: ``[list0, list1, ...]``: an op's tensor lists; the tensors at one index are processed together.
 TensorLists = Sequence[Sequence[torch.Tensor]]
@@ -194,7 +194,7 @@ def path_for(op_name: str, device: torch.device | str) -> tuple[str, str]:
     """``("amp_C", why)`` or ``("torch", why)``: which implementation the op ``op_name`` of this
     module runs for tensors on ``device``, by the rule above (for reports: ``python -m amp.check``).
     """
-    getattr(_torch_ops, op_name)  # an unknown op name is an AttributeError here too
+    getattr(_pytorch_ops, op_name)  # an unknown op name is an AttributeError here too
     device = torch.device(device)
     reason = _fallback_reason(device)
     if reason is None and getattr(amp_C, op_name, None) is None:
@@ -209,7 +209,7 @@ def _implementation(name: str, device: torch.device | None) -> Callable[..., Any
         kernel = getattr(amp_C, name, None)
         if kernel is not None:
             return kernel
-    return getattr(_torch_ops, name)
+    return getattr(_pytorch_ops, name)
 
 
 def _device_of(tensor_lists: TensorLists) -> torch.device | None:
@@ -261,7 +261,7 @@ def update_scale_hysteresis(current_scale: torch.Tensor, growth_tracker: torch.T
                             hysteresis: int, min_scale: float | None = None,
                             max_scale: float | None = None, inv_scale: torch.Tensor | None = None,
                             should_skip: torch.Tensor | None = None) -> torch.Tensor:
-    """Device-side loss-scale update with hysteresis (see ``amp._torch_ops``); returns the scale.
+    """Device-side loss-scale update with hysteresis (see ``amp._pytorch_ops``); returns the scale.
 
     The optional clamp and outputs make it amp's whole scale update in one call.
     """
@@ -275,7 +275,7 @@ def multi_tensor_sgd(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: Ten
                      momentum: float, dampening: float, lr: float, nesterov: bool, first_run: bool,
                      wd_after_momentum: bool, scale: Scalar) -> None:
     """Fused SGD step on ``[grads, weights, momentum_bufs(, model_copies)]``; a no-op when
-    ``noop_flag`` is set (see ``amp._torch_ops.multi_tensor_sgd`` for the arithmetic)."""
+    ``noop_flag`` is set (see ``amp._pytorch_ops.multi_tensor_sgd`` for the arithmetic)."""
     op = _implementation("multi_tensor_sgd", _device_of(tensor_lists))
     return op(chunk_size, noop_flag, tensor_lists, wd, momentum, dampening, lr, nesterov,
               first_run, wd_after_momentum, scale)
@@ -285,7 +285,7 @@ def multi_tensor_adam(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: Te
                       beta1: float, beta2: float, epsilon: float, step: int | torch.Tensor, mode: int,
                       bias_correction: int, weight_decay: float, inv_scale: Scalar = 1.0) -> None:
     """Fused Adam/AdamW step on ``[grads, params, exp_avgs, exp_avg_sqs(, model_copies)]``; a no-op
-    when ``noop_flag`` is set (see ``amp._torch_ops.multi_tensor_adam`` for the arithmetic)."""
+    when ``noop_flag`` is set (see ``amp._pytorch_ops.multi_tensor_adam`` for the arithmetic)."""
     op = _implementation("multi_tensor_adam", _device_of(tensor_lists))
     return op(chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, epsilon, step, mode,
               bias_correction, weight_decay, inv_scale)

@@ -144,8 +144,8 @@ void multi_tensor_adam_cpu(int64_t chunk_size, Flag flag, const TensorLists& lis
   using namespace cpu;
   if (flag_is_set(flag)) return;  // a skipped step writes nothing
   const float inv_scale = read_scalar(args.inv_scale);
-  const AdamStepFactors factors =
-      adam_step_factors(args, args.step.ptr ? *args.step.ptr : args.step.value);
+  // The binding read a CPU step tensor on the host, so the step is a checked value here.
+  const AdamStepFactors factors = adam_step_factors(args, args.step.value);
   for_each_piece(lists, chunk_size, [&](const Piece& p) {
     adam_piece(lists, p, args, factors, inv_scale);
   });

@@ -202,7 +202,10 @@ def _amp_C_extension(with_cuda):
 
         def _compile_cuda(self, out_dir, gencode):
             out_dir.mkdir(parents=True, exist_ok=True)
-            flags = ["-std=c++17", "-O3", "-lineinfo", "-Xcompiler", "-fPIC", f"-I{CSRC}", *gencode]
+            # -fmad=false: no multiply-add contraction, so every kernel rounds as its CPU twin does
+            # (l2norm's acc += u * u is the one expression nvcc would otherwise fuse).
+            flags = ["-std=c++17", "-O3", "-fmad=false", "-lineinfo", "-Xcompiler", "-fPIC", f"-I{CSRC}",
+                     *gencode]
 
             def compile_one(source):
                 obj = out_dir / (source.stem + ".o")

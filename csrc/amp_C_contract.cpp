@@ -355,6 +355,23 @@ void check_writes(const char* op, const at::Tensor& noop_flag, const TensorListL
   }
 }
 
+void check_outputs(const char* op, const at::Tensor& noop_flag, const TensorListList& tensor_lists,
+                   const ListNames& names) {
+  check_output_overlap(op, tensor_lists);
+  check_writes(op, noop_flag, tensor_lists, names, tensor_lists.size() - 1);
+}
+
+TensorLists check_fused_tensors(const char* op, int64_t chunk_size, const at::Tensor& noop_flag,
+                                const TensorListList& tensor_lists, const ListNames& names) {
+  TensorLists lists = check_tensors(op, chunk_size, tensor_lists, names);
+  if (!lists.numel.empty()) {
+    check_fused_dtypes(op, lists, names);
+    check_no_shared_memory(op, tensor_lists);
+    check_writes(op, noop_flag, tensor_lists, names, 1);
+  }
+  return lists;
+}
+
 // ---- rule 9: coefficients that may be tensors ----------------------------------------------------
 
 Scalar scalar(const char* op, const char* name, const FloatArg& value, const at::Device& device) {

@@ -48,6 +48,14 @@ void check_writable(const at::Tensor& t, const char* op, const std::string& name
 void check_writes(const char* op, const at::Tensor& noop_flag, const TensorListList& tensor_lists,
                   const ListNames& names, size_t first_written);
 
+// Rules 7 and 8 for scale and axpby, which write their last list.
+void check_outputs(const char* op, const at::Tensor& noop_flag, const TensorListList& tensor_lists,
+                   const ListNames& names);
+
+// Rules 5 to 8 for sgd and adam, which write every list but the grads; returns the lists' view.
+TensorLists check_fused_tensors(const char* op, int64_t chunk_size, const at::Tensor& noop_flag,
+                                const TensorListList& tensor_lists, const ListNames& names);
+
 // Rule 9: a coefficient for tensors on `device`, and adam's step (a CPU tensor's value is read and
 // checked here; another device's is checked by the kernel, see adam_step_of).
 Scalar scalar(const char* op, const char* name, const FloatArg& value, const at::Device& device);

@@ -115,17 +115,6 @@ std::tuple<at::Tensor, at::Tensor> l2norm(const char* op, int64_t chunk_size,
   return {total, per_tensor_norms};
 }
 
-// Rules 5 to 8 of a fused optimizer op, whose every list but the grads is written.
-TensorLists check_fused_tensors(const char* op, int64_t chunk_size, const at::Tensor& noop_flag,
-                                const TensorListList& tensor_lists, const ListNames& names) {
-  const TensorLists lists = check_tensors(op, chunk_size, tensor_lists, names);
-  if (lists.numel.empty()) return lists;
-  check_fused_dtypes(op, lists, names);
-  check_no_shared_memory(op, tensor_lists);
-  check_writes(op, noop_flag, tensor_lists, names, 1);
-  return lists;
-}
-
 }  // namespace
 
 void multi_tensor_scale(int64_t chunk_size, const at::Tensor& noop_flag,
@@ -134,8 +123,7 @@ void multi_tensor_scale(int64_t chunk_size, const at::Tensor& noop_flag,
   const ListNames names = check_call(op, chunk_size, noop_flag, tensor_lists, {{"in", "out"}});
   const TensorLists lists = check_tensors(op, chunk_size, tensor_lists, names);
   if (lists.numel.empty()) return;
-  check_output_overlap(op, tensor_lists);
-  check_writes(op, noop_flag, tensor_lists, names, 1);
+  check_outputs(op, noop_flag, tensor_lists, names);
   const Scalar s = scalar(op, "scale", scale, noop_flag.device());
   const Flag flag = flag_of(noop_flag);
   on_device(
@@ -157,8 +145,7 @@ void multi_tensor_axpby(int64_t chunk_size, const at::Tensor& noop_flag,
   integer(op, "arg_to_check", arg_to_check);
   const TensorLists lists = check_tensors(op, chunk_size, tensor_lists, names);
   if (lists.numel.empty()) return;
-  check_output_overlap(op, tensor_lists);
-  check_writes(op, noop_flag, tensor_lists, names, 2);
+  check_outputs(op, noop_flag, tensor_lists, names);
   const Scalar sa = scalar(op, "a", a, noop_flag.device());
   const Scalar sb = scalar(op, "b", b, noop_flag.device());
   const Flag flag = flag_of(noop_flag);

@@ -53,12 +53,9 @@ def multi_tensor_adam(chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, eps
     contract.check_adam_mode(op, mode)
     bias_correction = contract.switch(op, "bias_correction", bias_correction)
     weight_decay = contract.real(op, "weight_decay", weight_decay)
-    device = contract.check_tensors(op, chunk_size, tensor_lists, names)
+    device = contract.check_fused_tensors(op, chunk_size, noop_flag, tensor_lists, names)
     if device is None:
         return
-    contract.check_fused_dtypes(op, tensor_lists, names)
-    contract.check_no_shared_memory(op, tensor_lists)
-    contract.check_writes(op, noop_flag, device, tensor_lists, names, first_written=1)
     step, step_in_range = contract.adam_step(op, step, device)
     inv_scale = contract.fp32_scalar(op, "inv_scale", inv_scale, device)
     tools = exact.step_tools(noop_flag, device)

@@ -63,6 +63,8 @@ import operator
 
 import torch
 
+from . import storage
+
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FP32_MAX = torch.finfo(torch.float32).max
 INT32_MAX = 2**31 - 1
@@ -163,7 +165,7 @@ def check_adam_mode(op, mode):
 # ---- rules 5 and 6: each tensor --------------------------------------------------------------------
 
 
-def _is_dense(t):
+def is_dense(t):
     """Whether ``t`` covers a gap-free block of storage (some permutation of its dims is contiguous)."""
     if t.is_contiguous() or t.numel() == 0:
         return True
@@ -177,7 +179,7 @@ def _is_dense(t):
     return True
 
 
-def _same_layout(t, ref):
+def same_layout(t, ref):
     """Whether ``t`` stores its elements in the order ``ref`` stores its own (equal numels)."""
     if t.numel() == 0:
         return True
@@ -211,12 +213,12 @@ def _check_tensor(op, tensor_lists, names, k, i):
             f"{op}: {where} has {t.numel()} elements but {_where(0, i, names)} has {ref.numel()}; "
             "the tensors of one index must have the same numel"
         )
-    if t.layout != torch.strided or not _is_dense(t):
+    if t.layout != torch.strided or not is_dense(t):
         raise ValueError(
             f"{op}: {where} is not dense (a slice with gaps, or an expanded view?); pass "
             "t.contiguous() instead"
         )
-    if k > 0 and not _same_layout(t, ref):
+    if k > 0 and not same_layout(t, ref):
         raise ValueError(
             f"{op}: {where} stores its elements in another order than {_where(0, i, names)} "
             f"(shape {list(t.shape)}, strides {list(t.stride())} against shape {list(ref.shape)}, "
@@ -393,6 +395,23 @@ def check_writes(op, noop_flag, device, tensor_lists, names, first_written):
             check_writable(op, t, _where(k, i, names))
 
 
+def check_outputs(op, noop_flag, device, tensor_lists, names):
+    """Rules 7 and 8 for scale and axpby, which write their last list."""
+    check_output_overlap(op, tensor_lists)
+    check_writes(op, noop_flag, device, tensor_lists, names, first_written=len(tensor_lists) - 1)
+
+
+def check_fused_tensors(op, chunk_size, noop_flag, tensor_lists, names):
+    """Rules 5 to 8 for sgd and adam, which write every list but the grads; returns the tensors'
+    device, or None when the lists hold no tensors."""
+    device = check_tensors(op, chunk_size, tensor_lists, names)
+    if device is not None:
+        check_fused_dtypes(op, tensor_lists, names)
+        check_no_shared_memory(op, tensor_lists)
+        check_writes(op, noop_flag, device, tensor_lists, names, first_written=1)
+    return device
+
+
 # ---- rule 9: coefficients that may be tensors -----------------------------------------------------
 
 
@@ -446,14 +465,13 @@ def adam_step(op, step, device):
             f"{device}, got a {step.dtype} tensor of {step.numel()} elements on {step.device}"
         )
     step = step.reshape(())
-    if device.type == "cpu":
+    if storage.read_on_host(device):
         value = step.item()
         if not (1 <= value <= MAX_ADAM_STEP and value == math.floor(value)):
             _refuse_step(op, value)
         return torch.full((), int(value), dtype=torch.int64, device=device), None
-    valid = (step >= 1) & (step <= MAX_ADAM_STEP)
-    if step.dtype == torch.float32:
-        valid &= step == step.trunc()
+    wide = step.double()  # compared in fp64, as the kernel does: fp32 would round 2**31 - 1 up
+    valid = (wide >= 1) & (wide <= MAX_ADAM_STEP) & (wide == wide.trunc())
     return torch.where(valid, step, torch.ones_like(step)).to(torch.int64), valid
 
 

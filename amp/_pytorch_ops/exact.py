@@ -15,6 +15,8 @@ scratch buffers, the rounding of host numbers to fp32, and the noop flag's effec
 """
 import torch
 
+from . import storage
+
 
 def fp32(value, device):
     """A host number rounded to fp32, as a 0-dim tensor on ``device``."""
@@ -172,7 +174,7 @@ def step_tools(noop_flag, device):
     skipped. On the CPU the flag is read on the host (there is no device to wait for): a set flag
     skips the step there, and the step uses ``fma_cpu``. Elsewhere nothing is read on the host:
     ``keep_old`` is the flag as a 0-dim bool tensor, applied by ``store``."""
-    if device.type == "cpu":
+    if storage.read_on_host(device):
         return None if noop_flag.item() != 0 else (fma_cpu, None)
     return fma, (noop_flag != 0).reshape(())
 

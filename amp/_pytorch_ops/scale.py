@@ -16,8 +16,7 @@ def multi_tensor_scale(chunk_size, noop_flag, tensor_lists, scale):
     device = contract.check_tensors(op, chunk_size, tensor_lists, names)
     if device is None:
         return
-    contract.check_output_overlap(op, tensor_lists)
-    contract.check_writes(op, noop_flag, device, tensor_lists, names, first_written=1)
+    contract.check_outputs(op, noop_flag, device, tensor_lists, names)
     scale = contract.fp32_scalar(op, "scale", scale, device)
     ins, outs = paired_views(tensor_lists[0], tensor_lists[1])
     found = flag_buffer(noop_flag)

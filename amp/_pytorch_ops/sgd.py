@@ -35,12 +35,9 @@ def multi_tensor_sgd(chunk_size, noop_flag, tensor_lists, wd, momentum, dampenin
     names = contract.check_call(op, chunk_size, noop_flag, tensor_lists, _LISTS)
     wd, momentum, dampening, lr = (contract.real(op, name, value) for name, value in (
         ("wd", wd), ("momentum", momentum), ("dampening", dampening), ("lr", lr)))
-    device = contract.check_tensors(op, chunk_size, tensor_lists, names)
+    device = contract.check_fused_tensors(op, chunk_size, noop_flag, tensor_lists, names)
     if device is None:
         return
-    contract.check_fused_dtypes(op, tensor_lists, names)
-    contract.check_no_shared_memory(op, tensor_lists)
-    contract.check_writes(op, noop_flag, device, tensor_lists, names, first_written=1)
     scale = contract.fp32_scalar(op, "scale", scale, device)
     wd_t, momentum_t, dc_t, neg_lr_t = (exact.fp32(v, device)
                                         for v in (wd, momentum, 1.0 - dampening, -lr))

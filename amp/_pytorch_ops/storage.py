@@ -1,4 +1,5 @@
-"""What the ops share besides the contract: views in storage order, fp32 workspaces, the flag.
+"""What the ops share besides the contract: views in storage order, fp32 workspaces, the flag,
+and where a value can be read on the host.
 
 The compiled kernels walk each tensor's storage, so the ops here pair elements in storage order
 too; the contract has made sure that the tensors of one index store their elements alike.
@@ -6,6 +7,11 @@ too; the contract has made sure that the tensors of one index store their elemen
 import torch
 
 from .._compat import non_finite_check_and_unscale_
+
+
+def read_on_host(device):
+    """Whether a value on ``device`` can be read without waiting for the device: the CPU's."""
+    return device.type == "cpu"
 
 
 def flat(t):

@@ -50,7 +50,11 @@ struct type_caster<amp_C::HostNumber> {
     using Kind = amp_C::HostNumber::Kind;
     PyObject* o = src.ptr();
     value = {};
-    value.type_name = str(type::handle_of(src).attr("__name__"));
+    // The exact types by name; a subclass or anything else by its own.
+    value.type_name = PyBool_Check(o)         ? "bool"
+                      : PyLong_CheckExact(o)  ? "int"
+                      : PyFloat_CheckExact(o) ? "float"
+                                              : std::string(str(type::handle_of(src).attr("__name__")));
     if (PyBool_Check(o)) {
       value.kind = Kind::Bool;
       value.integer = o == Py_True ? 1 : 0;
@@ -65,11 +69,11 @@ struct type_caster<amp_C::HostNumber> {
         PyErr_Clear();
         value.fits_double = false;
       }
-      value.text = str(src);
+      value.text = value.fits_int64 ? std::to_string(value.integer) : std::string(str(src));
     } else if (PyFloat_Check(o)) {
       value.kind = Kind::Float;
       value.real = PyFloat_AS_DOUBLE(o);
-      value.text = str(src);
+      value.text = str(src);  // Python's own spelling, for messages
     }
     return true;
   }

@@ -50,9 +50,8 @@ are floats; ``growth_interval`` and ``hysteresis`` ints within int32 (the tracke
 ``should_skip`` None or 1-element float32 tensors on that device; then rule 8 for the tensors it
 writes, in argument order.
 
-Python arguments of the wrong type: amp_C takes tensors and tensor lists through pybind11, which
-refuses anything else with a ``TypeError`` of its own; this package raises ``TypeError`` too.
-amp_C also accepts only CPU and CUDA tensors.
+Arguments that are not tensors where tensors are due: ``TypeError`` on both paths (amp_C's is
+pybind11's message). amp_C also runs on CPU and CUDA tensors only.
 """
 from __future__ import annotations
 
@@ -158,7 +157,8 @@ def switch(op, name, value):
 
 
 def check_adam_mode(op, mode):
-    if integer(op, "mode", mode) not in (0, 1):
+    mode = integer(op, "mode", mode)
+    if mode not in (0, 1):
         raise ValueError(f"{op}: mode must be 0 (Adam, L2 weight decay) or 1 (AdamW), got {mode}")
 
 
@@ -294,13 +294,9 @@ def _disjoint(tensor_lists):
 
 
 def check_output_overlap(op, tensor_lists):
-    """Rule 7 for scale and axpby, whose output list is the last one.
-
-    The kernels write the outputs while they read all the lists, so an output may share memory only
-    with the inputs at its own index, and only exactly. Both implementations walk the byte ranges
-    alike, so both name the same pair: ranges sorted, identical ranges grouped, each group checked
-    against the earlier ones.
-    """
+    """Rule 7 for scale and axpby, whose outputs (the last list) are written while every list is
+    read. Both implementations walk the byte ranges alike, so both name the same pair: ranges
+    sorted, identical ranges grouped, each group checked against the earlier ones."""
     if _disjoint(tensor_lists):
         return
     out_list = len(tensor_lists) - 1
@@ -372,8 +368,7 @@ def check_no_shared_memory(op, tensor_lists):
 
 
 def check_writable(op, t, name):
-    # Checked before anything is written: torch refuses the in-place update of an inference tensor
-    # outside inference mode only after its kernel has run.
+    # torch would refuse this in-place update only after its kernel has run.
     if t.is_inference() and not torch.is_inference_mode_enabled():
         raise RuntimeError(
             f"{op}: {name} is an inference tensor, which cannot be updated in place outside "
@@ -447,13 +442,9 @@ def _refuse_step(op, value):
 
 
 def adam_step(op, step, device):
-    """Adam's step as ``(step, valid)``: a 0-dim int64 tensor on ``device``, and None when the
-    step was checked here, else a 0-dim bool tensor on ``device`` that says whether it is in range
-    (the step is then 1 where it is not).
-
-    A Python int and a CPU tensor are checked here; another device's tensor is checked on that
-    device, so that nothing is read on the host.
-    """
+    """Adam's step as ``(step, valid)``: a 0-dim int64 tensor on ``device``, and None where the
+    step was checked here (an int, a CPU tensor), else a 0-dim bool tensor on ``device`` saying
+    whether it is in range, computed there without a host read (the step is then 1 where not)."""
     if not isinstance(step, torch.Tensor):
         value = integer(op, "step", step)
         if not 1 <= value <= MAX_ADAM_STEP:

@@ -52,7 +52,7 @@ AMP_INLINE void adam_loop_half_params(const half_t* grad, half_t* param, half_t*
                                       AdamStepFactors factors, float inv_scale) {
   const HalfList lists[] = {{grad, nullptr}, {param, param}, {exp_avg, exp_avg},
                             {exp_avg_sq, exp_avg_sq}};
-  in_fp32_blocks(lists, n, [&](float (&block)[4][kHalfBlock], int64_t m) {
+  in_fp32_blocks(lists, n, [&](float* const (&block)[4], int64_t m) {
     adam_loop<false, kL2, kSmallW1>(block[0], block[1], block[2], block[3],
                                     static_cast<float*>(nullptr), m, args, factors, inv_scale);
   });

@@ -165,7 +165,13 @@ struct HalfList {
 // elements per instruction with F16C.
 template <size_t kLists, typename Loop>
 AMP_INLINE void in_fp32_blocks(const HalfList (&lists)[kLists], int64_t n, Loop&& loop) {
-  float blocks[kLists][kHalfBlock];
+  static_assert(kLists <= 4, "in_fp32_blocks takes up to four lists");
+  // Four arrays rather than one 2-d array: the vectoriser then sees blocks that cannot overlap.
+  float block0[kHalfBlock];
+  float block1[kHalfBlock];
+  float block2[kHalfBlock];
+  float block3[kHalfBlock];
+  float* const blocks[4] = {block0, block1, block2, block3};
   for (int64_t i = 0; i < n; i += kHalfBlock) {
     const int64_t m = std::min(kHalfBlock, n - i);
     for (size_t k = 0; k < kLists; ++k) {

@@ -49,7 +49,7 @@ AMP_INLINE void sgd_loop_half_weights(const half_t* grad, half_t* weight, half_t
   const HalfList lists[] = {{grad, nullptr},
                             {weight, weight},
                             {kReadBuf ? buf : nullptr, Options::momentum ? buf : nullptr}};
-  in_fp32_blocks(lists, n, [&](float (&block)[3][kHalfBlock], int64_t m) {
+  in_fp32_blocks(lists, n, [&](float* const (&block)[4], int64_t m) {
     sgd_loop<Options, false>(block[0], block[1], block[2], static_cast<float*>(nullptr), m, args,
                              scale);
   });

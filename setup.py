@@ -145,10 +145,11 @@ def _amp_C_extension(with_cuda):
             "not be imported. Install torch first, then run `pip install --no-build-isolation .`."
         ) from err
 
-    cpp_sources = [CSRC / "amp_C_frontend.cpp", CSRC / "amp_C_ops.cpp", *sorted((CSRC / "cpu").glob("*.cpp"))]
+    cpp_sources = [CSRC / "amp_C_frontend.cpp", CSRC / "amp_C_ops.cpp", CSRC / "amp_C_contract.cpp",
+                   *sorted((CSRC / "cpu").glob("*.cpp"))]
     cuda_sources = sorted(CSRC.glob("*.cu")) if with_cuda else []
-    missing = [str(p) for p in cpp_sources[:2] if not p.exists()]
-    if missing or len(cpp_sources) == 2 or (with_cuda and not cuda_sources):
+    missing = [str(p) for p in cpp_sources[:3] if not p.exists()]
+    if missing or len(cpp_sources) == 3 or (with_cuda and not cuda_sources):
         raise RuntimeError(f"amp_C sources are missing under {CSRC} (is this a complete checkout?)")
 
     # -ffp-contract=off: axpby must round each product before the add (no FMA), bit for bit like
@@ -201,7 +202,10 @@ def _amp_C_extension(with_cuda):
 
         def _compile_cuda(self, out_dir, gencode):
             out_dir.mkdir(parents=True, exist_ok=True)
-            flags = ["-std=c++17", "-O3", "-lineinfo", "-Xcompiler", "-fPIC", f"-I{CSRC}", *gencode]
+            # -fmad=false: no multiply-add contraction, so every kernel rounds as its CPU twin does
+            # (l2norm's acc += u * u is the one expression nvcc would otherwise fuse).
+            flags = ["-std=c++17", "-O3", "-fmad=false", "-lineinfo", "-Xcompiler", "-fPIC", f"-I{CSRC}",
+                     *gencode]
 
             def compile_one(source):
                 obj = out_dir / (source.stem + ".o")

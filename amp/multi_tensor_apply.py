@@ -1,8 +1,8 @@
 """Multi-tensor ops with ``amp_C``'s signatures, and the one place that picks their implementation.
 
 Each op below runs the compiled ``amp_C`` kernel when the extension can handle the tensors' device,
-and the pure-PyTorch version in ``amp._torch_ops`` otherwise. Both give the same bits (see
-``amp._torch_ops`` for the rounding contract), so a missing extension costs speed, never results.
+and the pure-PyTorch version in ``amp._pytorch_ops`` otherwise. Both give the same bits (see
+``amp._pytorch_ops`` for the rounding contract), so a missing extension costs speed, never results.
 
 The rule, evaluated per call on the device of the first tensor:
 
@@ -20,6 +20,12 @@ benchmarks can compare both paths in one process. The switch is process-global, 
 Amp's own code calls ``multi_tensor_applier(multi_tensor_scale, flag, lists, scale)``; user code
 written for Apex may equally pass ``amp_C.multi_tensor_scale`` to the applier.
 
+Memory formats: both implementations pair the tensors of one index in memory order and refuse
+tensors stored in different orders (a channels_last param with a contiguous grad). amp can hand
+them such tensors itself (a ``.grad`` the user assigned, a model made channels_last after
+``initialize``), so scale, axpby, sgd and adam here run a call refused for that again on copies in
+one memory format (``amp._memory_formats``); ``amp_C``'s ops called directly refuse it.
+
 Types: ``tensor_lists`` is a sequence of equally long sequences of tensors (``TensorLists``); a
 coefficient that may stay on the device is a host number or a 1-element fp32 tensor (``Scalar``).
 """
@@ -28,11 +34,12 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import warnings
 from typing import Any, Callable, Iterator, Sequence, TypeVar, Union
 
 import torch
 
-from amp import _torch_ops
+from amp import _memory_formats, _pytorch_ops
 from amp._logging import maybe_print
 from amp._compat import local_tensor
 
@@ -58,7 +65,7 @@ else:
 
 # The ops keep amp_C's names; the list lives with their PyTorch versions.
 __all__ = ["MultiTensorApply", "multi_tensor_applier", "use_extension", "path_for", "covers",
-           "TensorLists", "Scalar", *_torch_ops.__all__]
+           "TensorLists", "Scalar", *_pytorch_ops.__all__]
 
 #: ``[list0, list1, ...]``: an op's tensor lists; the tensors at one index are processed together.
 TensorLists = Sequence[Sequence[torch.Tensor]]
@@ -198,7 +205,7 @@ def path_for(op_name: str, device: torch.device | str) -> tuple[str, str]:
     """``("amp_C", why)`` or ``("torch", why)``: which implementation the op ``op_name`` of this
     module runs for tensors on ``device``, by the rule above (for reports: ``python -m amp.check``).
     """
-    getattr(_torch_ops, op_name)  # an unknown op name is an AttributeError here too
+    getattr(_pytorch_ops, op_name)  # an unknown op name is an AttributeError here too
     device = torch.device(device)
     reason = _fallback_reason(device)
     if reason is None and getattr(amp_C, op_name, None) is None:
@@ -213,7 +220,7 @@ def _implementation(name: str, device: torch.device | None) -> Callable[..., Any
         kernel = getattr(amp_C, name, None)
         if kernel is not None:
             return kernel
-    return getattr(_torch_ops, name)
+    return getattr(_pytorch_ops, name)
 
 
 def _device_of(tensor_lists: TensorLists) -> torch.device | None:
@@ -223,18 +230,38 @@ def _device_of(tensor_lists: TensorLists) -> torch.device | None:
     return None
 
 
+def _run(name: str, chunk_size: int, noop_flag: torch.Tensor, tensor_lists: TensorLists,
+         *args: Any) -> Any:
+    """Run the op ``name`` where the rule above says; a call refused because tensors of one index
+    are stored in different memory formats runs again on copies (``amp._memory_formats``)."""
+    op = _implementation(name, _device_of(tensor_lists))
+    try:
+        return op(chunk_size, noop_flag, tensor_lists, *args)
+    except ValueError:
+        staged = _memory_formats.restaged(name, tensor_lists)
+        if staged is None:
+            raise
+    lists, written = staged
+    # As DDP warns when grads and params differ in strides: once per op (Python's default filter).
+    warnings.warn(f"amp: {name} got tensors of one index in different memory formats (a .grad "
+                  "assigned in another format than its parameter's, or a model made channels_last "
+                  "after amp.initialize?), so amp copies them on every call; give them one memory "
+                  "format to save the copies.", stacklevel=2)
+    result = op(chunk_size, noop_flag, lists, *args)
+    _memory_formats.write_back(written)
+    return result
+
+
 def multi_tensor_scale(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: TensorLists,
                        scale: Scalar) -> None:
     """``[in, out]``: ``out = float(in) * scale``; sets ``noop_flag`` on a non-finite input."""
-    op = _implementation("multi_tensor_scale", _device_of(tensor_lists))
-    return op(chunk_size, noop_flag, tensor_lists, scale)
+    return _run("multi_tensor_scale", chunk_size, noop_flag, tensor_lists, scale)
 
 
 def multi_tensor_axpby(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: TensorLists, a: Scalar,
                        b: Scalar, arg_to_check: int) -> None:
     """``[x, y, out]``: ``out = a*x + b*y``; checks x (0), y (1), both (-1) or neither."""
-    op = _implementation("multi_tensor_axpby", _device_of(tensor_lists))
-    return op(chunk_size, noop_flag, tensor_lists, a, b, arg_to_check)
+    return _run("multi_tensor_axpby", chunk_size, noop_flag, tensor_lists, a, b, arg_to_check)
 
 
 def multi_tensor_l2norm(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: TensorLists,
@@ -265,7 +292,7 @@ def update_scale_hysteresis(current_scale: torch.Tensor, growth_tracker: torch.T
                             hysteresis: int, min_scale: float | None = None,
                             max_scale: float | None = None, inv_scale: torch.Tensor | None = None,
                             should_skip: torch.Tensor | None = None) -> torch.Tensor:
-    """Device-side loss-scale update with hysteresis (see ``amp._torch_ops``); returns the scale.
+    """Device-side loss-scale update with hysteresis (see ``amp._pytorch_ops``); returns the scale.
 
     The optional clamp and outputs make it amp's whole scale update in one call.
     """
@@ -279,17 +306,15 @@ def multi_tensor_sgd(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: Ten
                      momentum: float, dampening: float, lr: float, nesterov: bool, first_run: bool,
                      wd_after_momentum: bool, scale: Scalar) -> None:
     """Fused SGD step on ``[grads, weights, momentum_bufs(, model_copies)]``; a no-op when
-    ``noop_flag`` is set (see ``amp._torch_ops.multi_tensor_sgd`` for the arithmetic)."""
-    op = _implementation("multi_tensor_sgd", _device_of(tensor_lists))
-    return op(chunk_size, noop_flag, tensor_lists, wd, momentum, dampening, lr, nesterov,
-              first_run, wd_after_momentum, scale)
+    ``noop_flag`` is set (see ``amp._pytorch_ops.multi_tensor_sgd`` for the arithmetic)."""
+    return _run("multi_tensor_sgd", chunk_size, noop_flag, tensor_lists, wd, momentum, dampening, lr,
+                nesterov, first_run, wd_after_momentum, scale)
 
 
 def multi_tensor_adam(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: TensorLists, lr: float,
                       beta1: float, beta2: float, epsilon: float, step: int | torch.Tensor, mode: int,
                       bias_correction: int, weight_decay: float, inv_scale: Scalar = 1.0) -> None:
     """Fused Adam/AdamW step on ``[grads, params, exp_avgs, exp_avg_sqs(, model_copies)]``; a no-op
-    when ``noop_flag`` is set (see ``amp._torch_ops.multi_tensor_adam`` for the arithmetic)."""
-    op = _implementation("multi_tensor_adam", _device_of(tensor_lists))
-    return op(chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, epsilon, step, mode,
-              bias_correction, weight_decay, inv_scale)
+    when ``noop_flag`` is set (see ``amp._pytorch_ops.multi_tensor_adam`` for the arithmetic)."""
+    return _run("multi_tensor_adam", chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, epsilon,
+                step, mode, bias_correction, weight_decay, inv_scale)

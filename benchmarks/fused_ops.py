@@ -6,7 +6,7 @@ benchmarks/unscale.py. For each op and dtype form it prints the bytes the kernel
 parameter (grads, weights and state read once; everything but the grads written once), its time against a plain copy of
 the same bytes on the same device (one fp32 ``copy_`` of bytes/8 elements per parameter: the
 fraction of the copy limit, goal >= 0.8), and against the pure-PyTorch fallback of
-amp._torch_ops (what runs without amp_C).
+amp._pytorch_ops (what runs without amp_C).
 
 Usage: python benchmarks/fused_ops.py [--device cuda] [--reps 15] [--fallback-reps 3]
 """
@@ -18,7 +18,7 @@ import torch
 from unscale import CHUNK, gpt_ish_shapes
 
 import amp_C
-from amp import _torch_ops
+from amp import _pytorch_ops
 from amp.check.timing import seconds_per_call
 
 # (op, grad dtype, weight/state dtype, model-copy dtype or None), the forms amp's optimizers use.
@@ -111,7 +111,7 @@ def main():
         result = medians({
             "kernel": Candidate(lambda: step(amp_C, form, lists, flag), args.reps),
             "copy": Candidate(lambda: dst.copy_(src), args.reps),
-            "fallback": Candidate(lambda: step(_torch_ops, form, fallback_lists, flag),
+            "fallback": Candidate(lambda: step(_pytorch_ops, form, fallback_lists, flag),
                                   args.fallback_reps),
         }, args.reps, device)
         kernel, copy, fallback = result["kernel"], result["copy"], result["fallback"]

@@ -1,4 +1,5 @@
-// Binds the amp_C operations; see amp_C_ops.h. The GIL is released while they run.
+// Binds the amp_C operations (amp_C_ops.h) to Python: the argument conversions and the module's
+// definitions, nothing else. The GIL is released while the operations run.
 #include <pybind11/stl.h>
 #include <torch/extension.h>
 
@@ -35,6 +36,44 @@ struct type_caster<amp_C::ChunkSize> {
     if (overflow != 0) {
       throw value_error("chunk_size must be a positive int below 2**63, got " +
                         std::string(str(index)));
+    }
+    return true;
+  }
+};
+
+// Any Python object, as the contract needs to see it (amp_C::HostNumber).
+template <>
+struct type_caster<amp_C::HostNumber> {
+  PYBIND11_TYPE_CASTER(amp_C::HostNumber, const_name("number"));
+
+  bool load(handle src, bool /*convert*/) {
+    using Kind = amp_C::HostNumber::Kind;
+    PyObject* o = src.ptr();
+    value = {};
+    // The exact types by name; a subclass or anything else by its own.
+    value.type_name = PyBool_Check(o)         ? "bool"
+                      : PyLong_CheckExact(o)  ? "int"
+                      : PyFloat_CheckExact(o) ? "float"
+                                              : std::string(str(type::handle_of(src).attr("__name__")));
+    if (PyBool_Check(o)) {
+      value.kind = Kind::Bool;
+      value.integer = o == Py_True ? 1 : 0;
+      value.fits_int64 = true;
+    } else if (PyLong_Check(o)) {
+      value.kind = Kind::Int;
+      int overflow = 0;
+      value.integer = PyLong_AsLongLongAndOverflow(o, &overflow);
+      value.fits_int64 = overflow == 0;
+      value.real = PyLong_AsDouble(o);
+      if (value.real == -1.0 && PyErr_Occurred()) {  // beyond a double: OverflowError
+        PyErr_Clear();
+        value.fits_double = false;
+      }
+      value.text = value.fits_int64 ? std::to_string(value.integer) : std::string(str(src));
+    } else if (PyFloat_Check(o)) {
+      value.kind = Kind::Float;
+      value.real = PyFloat_AS_DOUBLE(o);
+      value.text = str(src);  // Python's own spelling, for messages
     }
     return true;
   }

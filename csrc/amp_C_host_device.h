@@ -90,7 +90,7 @@ AMP_HOST_DEVICE inline void update_scale_hysteresis_step(float* current_scale,
 // ---- fused optimizer steps ------------------------------------------------------------------
 //
 // Every fp32 operation rounds on its own except the explicit fma_rn (one rounding), placed where
-// torch.optim's CPU kernels fuse (add(alpha=), lerp, addcmul); see amp/_torch_ops.py. The host
+// torch.optim's CPU kernels fuse (add(alpha=), lerp, addcmul); see amp/_pytorch_ops/exact.py. The host
 // side is compiled with -ffp-contract=off; on the device the _rn intrinsics forbid contraction.
 
 AMP_HOST_DEVICE inline float mul_rn(float a, float b) {
@@ -222,6 +222,24 @@ AMP_HOST_DEVICE inline double power_of_step(double base, int64_t step) {
     for (int j = 0; j < width; ++j) factors[j] = dmul_rn(factors[2 * j], factors[2 * j + 1]);
   }
   return factors[0];
+}
+
+// Adam's step number: the checked value, or read from the step tensor on the device, where the
+// binding could not check it without a synchronisation; 0 when that value is not a whole number
+// from 1 to 2**31 - 1 (the kernel then skips the step and raises the flag).
+AMP_HOST_DEVICE inline int64_t adam_step_of(StepArg step) {
+  if (step.ptr == nullptr) return step.value;
+  double value;
+  if (step.dtype == DType::Float32) {
+    value = *static_cast<const float*>(step.ptr);
+  } else if (step.dtype == DType::Int32) {
+    value = *static_cast<const int32_t*>(step.ptr);
+  } else {
+    const int64_t wide = *static_cast<const int64_t*>(step.ptr);
+    value = wide >= 1 && wide <= INT32_MAX ? static_cast<double>(wide) : 0.0;
+  }
+  const bool valid = value >= 1.0 && value <= static_cast<double>(INT32_MAX) && value == floor(value);
+  return valid ? static_cast<int64_t>(value) : 0;
 }
 
 // The per-call factors of Adam's bias correction: -fp32(lr / (1 - beta1**step)) and

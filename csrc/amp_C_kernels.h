@@ -11,7 +11,7 @@
 
 namespace amp_C {
 
-enum class DType : int { Float32 = 0, Float16 = 1, BFloat16 = 2, Int32 = 3 };
+enum class DType : int { Float32 = 0, Float16 = 1, BFloat16 = 2, Int32 = 3, Int64 = 4 };
 
 // Up to five parallel lists ([in, out] for scale, [x, y, out] for axpby, [x] for l2norm, up to
 // [grads, params, exp_avgs, exp_avg_sqs, model_copies] for adam).
@@ -71,10 +71,12 @@ struct SgdArgs {
   Scalar scale;
 };
 
-// The step number of a fused Adam step: a value, or an int64 tensor the kernel reads itself.
+// The step number of a fused Adam step: a checked value, or a 1-element device tensor of `dtype`
+// (Int32, Int64 or Float32) that the kernel reads and checks itself (adam_step_of).
 struct StepArg {
   int64_t value;
-  const int64_t* ptr;
+  const void* ptr;
+  DType dtype;
 };
 
 // The coefficients of one fused Adam step (see adam_element in amp_C_host_device.h): fp32 values

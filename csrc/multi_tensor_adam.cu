@@ -1,7 +1,7 @@
 // multi_tensor_adam: one Adam (mode 0) / AdamW (mode 1) step per element (adam_element in
 // amp_C_host_device.h) over [grads, params, exp_avgs, exp_avg_sqs] or [grads, fp32 params,
-// fp32 exp_avgs, fp32 exp_avg_sqs, model_copies]; a block whose noop_flag is set returns before
-// writing anything. CPU twin: cpu/multi_tensor_adam_cpu.cpp.
+// fp32 exp_avgs, fp32 exp_avg_sqs, model_copies]; a block whose noop_flag is set, or whose step
+// is out of range, returns before writing anything. CPU twin: cpu/multi_tensor_adam_cpu.cpp.
 #include "multi_tensor_apply.cuh"
 
 namespace amp_C {
@@ -13,14 +13,15 @@ struct AdamFunctor {
   __device__ void operator()(int64_t chunk_size, const TensorListMetadata<depth>& meta, Flag flag,
                              AdamArgs args) {
     // Thread 0 reads the flag and the step once for the block; the bias-correction factors are a
-    // few dozen fp64 operations, done once per block rather than once per thread.
+    // few dozen fp64 operations, done once per block rather than once per thread. A step out of
+    // range (read here from a device tensor) makes every block skip and raise the flag.
     __shared__ bool skip;
     __shared__ AdamStepFactors shared_factors;
     if (threadIdx.x == 0) {
-      skip = flag_is_set(flag);
-      if (!skip) {
-        shared_factors = adam_step_factors(args, args.step.ptr ? *args.step.ptr : args.step.value);
-      }
+      const int64_t step = adam_step_of(args.step);
+      if (step == 0) raise_flag(flag);
+      skip = step == 0 || flag_is_set(flag);
+      if (!skip) shared_factors = adam_step_factors(args, step);
     }
     __syncthreads();
     if (skip) return;  // a skipped step writes nothing

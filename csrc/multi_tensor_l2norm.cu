@@ -45,7 +45,7 @@ __global__ void __launch_bounds__(kBlockSize)
   if (respect_flag && flag_is_set(flag)) return;
   const float* sums = out.chunk_sums + batch.first_chunk[blockIdx.x];
   float acc = 0.f;
-  for (int c = threadIdx.x; c < batch.chunks[blockIdx.x]; c += blockDim.x) acc += sums[c];
+  for (int64_t c = threadIdx.x; c < batch.chunks[blockIdx.x]; c += blockDim.x) acc += sums[c];
   const float total = block_sum(acc);
   if (threadIdx.x == 0) {
     const int t = batch.tensor[blockIdx.x];

@@ -18,7 +18,7 @@ import torch
 import amp
 import amp.check
 import amp.multi_tensor_apply as mta
-from amp import _torch_ops
+from amp import _pytorch_ops as _torch_ops
 from amp._amp_state import _amp_state
 from amp.check import environment, kernels, training
 from amp.check.report import FAIL, PASS, SKIP, Report, Result

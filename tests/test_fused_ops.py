@@ -15,7 +15,8 @@ from fractions import Fraction
 import pytest
 import torch
 
-from amp import _torch_ops
+from amp import _pytorch_ops as _torch_ops
+from amp._pytorch_ops import exact
 from amp.multi_tensor_apply import amp_C, multi_tensor_adam, multi_tensor_sgd, use_extension
 from amp_common import correctly_rounded_sqrt
 
@@ -314,19 +315,19 @@ def test_kernel_matches_the_fallback_for_every_option(device, variant):
 @pytest.mark.parametrize("noop", [0, 1])
 def test_the_fallback_gives_the_same_bits_in_slices_and_on_its_device_path(monkeypatch, form,
                                                                            fallback_path, noop):
-    # The fallback works through each tensor in slices (_CPU_SLICE elements on the CPU): small ones
-    # here, so that they straddle the tensors, against the CPU twin (where built) in one pass. Its
-    # device path (no host reads: _fma, and the flag applied with torch.where) runs on the CPU too
-    # when chosen.
+    # The fallback works through each tensor in slices (exact.CPU_SLICE elements on the CPU):
+    # small ones here, so that they straddle the tensors, against the CPU twin (where built) in one
+    # pass. Its device path (no host reads: exact.fma, and the flag applied with torch.where) runs
+    # on the CPU too when chosen.
     lists = fuzz_lists(form, "cpu", seed=8, offset=1)
     lists[0][7][5] = float("inf")
     lists[0][6][100] = float("nan")
     reference = clone_lists(lists)
     run_op(amp_C or _torch_ops, form, reference, flag("cpu", noop))  # the twin where it is built
-    monkeypatch.setattr(_torch_ops, "_CPU_SLICE", 100)
+    monkeypatch.setattr(exact, "CPU_SLICE", 100)
     if fallback_path == "device":
-        monkeypatch.setattr(_torch_ops, "_step_tools",
-                            lambda noop_flag, device: (_torch_ops._fma, (noop_flag != 0).reshape(())))
+        monkeypatch.setattr(exact, "step_tools",
+                            lambda noop_flag, device: (exact.fma, (noop_flag != 0).reshape(())))
     run_op(_torch_ops, form, lists, flag("cpu", noop))
     assert_same_lists(lists, reference)
 
@@ -559,11 +560,11 @@ def same_fp32_bits(ours, expected):
 
 def fma_of(name):
     """The fallback's fma by name, called as fma(a, b, c) with a scratch of its own."""
-    fma = getattr(_torch_ops, name)
-    return lambda a, b, c: fma(a, b, c, _torch_ops._Scratch(b.device, b.numel()), "result")
+    fma = getattr(exact, name)
+    return lambda a, b, c: fma(a, b, c, exact.Scratch(b.device, b.numel()), "result")
 
 
-FMAS = {"_fma": fma_of("_fma"), "_fma_cpu": fma_of("_fma_cpu")}
+FMAS = {"fma": fma_of("fma"), "fma_cpu": fma_of("fma_cpu")}
 
 
 @pytest.mark.parametrize("name", FMAS)
@@ -582,7 +583,7 @@ def test_the_fallbacks_fma_rounds_once_like_exact_arithmetic(name):
 
 def test_the_cpu_fma_is_exact_with_a_midpoint_or_a_subnormal_among_plain_values():
     # Plain values leave no element to recompute (the fast path alone); a midpoint, or a result in
-    # fp32's subnormal range, sends that element through _fma, and the others must stay right.
+    # fp32's subnormal range, sends that element through exact.fma, and the others must stay right.
     gen = torch.Generator().manual_seed(7)
     b, c = torch.randn(5000, generator=gen), torch.randn(5000, generator=gen)
     a = torch.tensor(0.1)
@@ -594,4 +595,4 @@ def test_the_cpu_fma_is_exact_with_a_midpoint_or_a_subnormal_among_plain_values(
             cc[4321] = float("nan")  # a NaN elsewhere must not hide it
         expected = torch.tensor([exact_fma(*t) for t in zip(aa.tolist(), bb.tolist(), cc.tolist())],
                                 dtype=torch.float32)
-        assert same_fp32_bits(FMAS["_fma_cpu"](aa, bb, cc), expected)
+        assert same_fp32_bits(FMAS["fma_cpu"](aa, bb, cc), expected)

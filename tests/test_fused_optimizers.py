@@ -7,6 +7,7 @@ kernel performs the same fp32 operations in the same order the results are bit-i
 cannot (pure fp16/bf16 params at O3, which torch updates with a rounding after every operation and
 the kernel in fp32; grads accumulated in fp16 without master grads) the tests state the bound.
 """
+import copy
 import io
 
 import pytest
@@ -219,6 +220,22 @@ def test_state_dict_loads_with_weights_only_and_resumes_bit_exactly(name):
         optimizer.step()
         optimizer.zero_grad()
     assert_identical(trained(model, optimizer), expected)
+
+
+@pytest.mark.parametrize("step", [-1, -1.0, 2.5, float("nan"), 2**31 - 1, True, torch.tensor([-1.0]),
+                                  torch.tensor([2.0**31]), torch.tensor([1.0, 2.0])], ids=repr)
+def test_fused_adam_refuses_to_load_a_step_count_its_kernel_could_not_take(step):
+    # Beyond 2**31 - 1 (or below 1) a step number on a GPU makes every step a silent no-op.
+    model, optimizer = plain_run(fused("adamw"), steps=2)
+    checkpoint = optimizer.state_dict()
+    checkpoint["param_groups"][0]["step"] = step
+    before = copy.deepcopy(optimizer.state_dict())
+    with pytest.raises(ValueError, match="param group 0 has the step count"):
+        optimizer.load_state_dict(checkpoint)
+    after = optimizer.state_dict()
+    assert torch.equal(after["param_groups"][0]["step"], before["param_groups"][0]["step"])
+    assert all(torch.equal(after["state"][i][key], before["state"][i][key])
+               for i in before["state"] for key in before["state"][i])
 
 
 @pytest.mark.parametrize("name", PAIRS)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import amp.check as amp_check
-from amp import _torch_ops
+from amp import _pytorch_ops as _torch_ops
 from amp_common import load_script
 
 REPO = Path(__file__).resolve().parents[1]

@@ -165,13 +165,20 @@ def test_channels_last_tensors_are_scaled_elementwise():
     assert_bitwise_equal(out.contiguous(), ref_scale(x, 0.3, torch.float32).contiguous())
 
 
-def test_tensors_are_paired_in_storage_order():
-    # A flat master buffer and a shaped (and transposed, but dense) model tensor, as the kernel sees them.
-    x = torch.randn(6, 4).half().t()
+def test_a_flat_buffer_pairs_with_a_contiguous_tensor_of_another_shape():
+    x = (torch.randn(4, 6) * 50).half()
     out = torch.empty(24)
     multi_tensor_applier(multi_tensor_scale, flag(), [[x], [out]], 2.0)
-    storage_order = x.t().reshape(-1)
-    assert_bitwise_equal(out, ref_scale(storage_order, 2.0, torch.float32))
+    assert_bitwise_equal(out, ref_scale(x.reshape(-1), 2.0, torch.float32))
+
+
+def test_a_flat_buffer_and_a_transposed_tensor_are_refused():
+    # The ops pair elements in memory order, and a transposed matrix stores them column by column.
+    x = torch.randn(6, 4).half().t()
+    out = torch.zeros(24)
+    with pytest.raises(ValueError, match=r"tensor_lists\[1\]\[0\] \(out\) stores its elements in another order"):
+        multi_tensor_applier(multi_tensor_scale, flag(), [[x], [out]], 2.0)
+    assert not out.any()
 
 
 def test_scale_does_not_record_autograd_history_for_parameters():
@@ -457,7 +464,7 @@ def test_extension_without_cuda_kernels_does_not_serve_cuda_tensors(monkeypatch)
     monkeypatch.setattr(mta, "_extension_cuda", False)
     with use_extension(True):
         on_cuda = mta._implementation("multi_tensor_scale", torch.device("cuda", 0))
-        assert on_cuda is mta._torch_ops.multi_tensor_scale
+        assert on_cuda is mta._pytorch_ops.multi_tensor_scale
         assert mta._implementation("multi_tensor_scale", torch.device("cpu")) is module.multi_tensor_scale
 
 
@@ -499,7 +506,7 @@ def test_path_for_gives_the_fallback_s_reasons(monkeypatch):
         # The fake module exports only multi_tensor_scale, as an amp_C built before an op existed.
         path, reason = mta.path_for("multi_tensor_adam", "cpu")
         assert path == "torch" and "has no multi_tensor_adam" in reason
-        assert mta._implementation("multi_tensor_adam", torch.device("cpu")) is mta._torch_ops.multi_tensor_adam
+        assert mta._implementation("multi_tensor_adam", torch.device("cpu")) is mta._pytorch_ops.multi_tensor_adam
         monkeypatch.setattr(mta, "amp_C", None)
         path, reason = mta.path_for("multi_tensor_scale", "cpu")
         assert path == "torch" and "amp_C extension is not available" in reason

@@ -17,13 +17,13 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 import amp
-from amp import _torch_ops
+from amp import _pytorch_ops
 from amp import multi_tensor_apply as mta
 
 __all__ = ["OPS", "collect", "describe", "visible_devices"]
 
 # Every op amp_C exports, in the order the README lists them.
-OPS: List[str] = list(_torch_ops.__all__)
+OPS: List[str] = list(_pytorch_ops.__all__)
 
 # The CPU flags that decide which code amp_C's CPU kernels (and torch's) run.
 _CPU_FLAGS = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512_fp16", "asimd", "fphp", "sve")

@@ -17,7 +17,7 @@ import torch
 from amp import multi_tensor_apply as mta
 from amp._compat import non_finite_check_and_unscale_
 
-from .kernels import AMP_CHUNK
+from .kernel_cases import AMP_CHUNK
 from .report import FAIL, PASS, SKIP, Result
 
 __all__ = ["unscale_timing"]

@@ -23,7 +23,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import amp
-from amp import _torch_ops
+from amp import _pytorch_ops
 from amp._amp_state import AmpState, _amp_state
 from amp.multi_tensor_apply import path_for, use_extension
 
@@ -178,7 +178,7 @@ def training_check(name: str, device: torch.device) -> Result:
                       "`python -m amp.check` in a fresh one for the training steps")
     opt_level, amp_optimizer, torch_optimizer, atol = CHECKS[name]
     # Where amp_C serves no op, amp's path is PyTorch's: one run, held to the fp32 reference.
-    uses_amp_C = any(path_for(op, device)[0] == "amp_C" for op in _torch_ops.__all__)
+    uses_amp_C = any(path_for(op, device)[0] == "amp_C" for op in _pytorch_ops.__all__)
     try:
         with _private_runs():
             ours = _amp_run(opt_level, amp_optimizer, device, fallback=False)

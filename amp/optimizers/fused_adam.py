@@ -1,6 +1,7 @@
 """``FusedAdam``: Adam and AdamW in one ``multi_tensor_adam`` pass per kind of tensor (Apex's optimizer)."""
 from __future__ import annotations
 
+import math
 from typing import Any, NoReturn
 
 import torch
@@ -10,6 +11,9 @@ from amp.multi_tensor_apply import Scalar, multi_tensor_adam, multi_tensor_appli
 from ._fused import Bucket, BucketKey, FusedOptimizer, Params, check_real
 
 __all__ = ["FusedAdam"]
+
+# The step numbers multi_tensor_adam takes end at 2**31 - 1: a count of steps taken, one less.
+_MAX_STEP_COUNT = 2**31 - 2
 
 
 def _refuse(option: str, advice: str) -> NoReturn:
@@ -48,7 +52,8 @@ class FusedAdam(FusedOptimizer):
     and leaves it unchanged without a host read. Parameters without a gradient are not updated and
     their state is untouched, but their group's count advances (Apex's rule; torch counts per
     parameter). The step that creates a group's state under such a flag reads the flag on the
-    host once, so that a skipped first step leaves no state behind.
+    host once, so that a skipped first step leaves no state behind. ``load_state_dict`` refuses a
+    count that is not a whole number from 0 to 2**31 - 2 (``multi_tensor_adam``'s step range).
     """
 
     def __init__(self, params: Params, lr: float = 1e-3, bias_correction: bool = True,
@@ -79,6 +84,13 @@ class FusedAdam(FusedOptimizer):
         super().__init__(params, defaults, materialize_master_grads, set_grad_none)
         self.adam_w_mode = bool(adam_w_mode)
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """As torch's, refusing (before it loads anything) a param group's step count that the
+        kernel could not take: on a GPU a step out of range would skip every step silently."""
+        for index, group in enumerate(state_dict.get("param_groups", ())):
+            _check_step_count(group.get("step"), index)
+        super().load_state_dict(state_dict)
+
     def _step_group(self, group: dict[str, Any], buckets: dict[BucketKey, Bucket],
                     found_inf: torch.Tensor | None, inv_scale: Scalar, model_inv_scale: Scalar) -> None:
         fresh = [param for bucket in buckets.values() for param in bucket.params
@@ -104,6 +116,19 @@ class FusedAdam(FusedOptimizer):
                                  model_inv_scale if from_model else inv_scale)
         if found_inf is not None:
             step.sub_(found_inf.detach().reshape(1).to(step.device, torch.float32))
+
+
+def _check_step_count(step: Any, index: int) -> None:
+    """A loaded step count (the steps taken so far: a number, or a 1-element tensor, read once
+    here) must be a whole number from 0 to 2**31 - 2, so that the next step number is one that
+    ``multi_tensor_adam`` takes."""
+    if step is None:
+        return
+    value = step.item() if isinstance(step, torch.Tensor) and step.numel() == 1 else step
+    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            and value == math.floor(value) and 0 <= value <= _MAX_STEP_COUNT):
+        raise ValueError(f"FusedAdam.load_state_dict: param group {index} has the step count {step!r}; "
+                         f"a step count is a whole number from 0 to {_MAX_STEP_COUNT} (the steps taken)")
 
 
 def _group_step(group: dict[str, Any], device: torch.device) -> torch.Tensor:

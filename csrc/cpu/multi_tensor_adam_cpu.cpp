@@ -45,29 +45,17 @@ AMP_INLINE void adam_loop_half_copy(const grad_t* grad, param_t* param, param_t*
   });
 }
 
-// Every list fp16 (depth 4): block by block, the lists are widened into fp32 blocks in L1
-// (from_half), the fp32 loop updates the blocks in place, and to_half() stores them back; both
-// conversions take eight elements per instruction with F16C.
+// Every list fp16 (depth 4): the fp32 loop over fp32 blocks of them (in_fp32_blocks).
 template <bool kL2, bool kSmallW1>
 AMP_INLINE void adam_loop_half_params(const half_t* grad, half_t* param, half_t* exp_avg,
                                       half_t* exp_avg_sq, int64_t n, const AdamArgs& args,
                                       AdamStepFactors factors, float inv_scale) {
-  float grad_block[kHalfBlock];
-  float param_block[kHalfBlock];
-  float exp_avg_block[kHalfBlock];
-  float exp_avg_sq_block[kHalfBlock];
-  for (int64_t i = 0; i < n; i += kHalfBlock) {
-    const int64_t m = std::min(kHalfBlock, n - i);
-    from_half(grad_block, grad + i, m);
-    from_half(param_block, param + i, m);
-    from_half(exp_avg_block, exp_avg + i, m);
-    from_half(exp_avg_sq_block, exp_avg_sq + i, m);
-    adam_loop<false, kL2, kSmallW1>(grad_block, param_block, exp_avg_block, exp_avg_sq_block,
+  const HalfList lists[] = {{grad, nullptr}, {param, param}, {exp_avg, exp_avg},
+                            {exp_avg_sq, exp_avg_sq}};
+  in_fp32_blocks(lists, n, [&](float* const (&block)[4], int64_t m) {
+    adam_loop<false, kL2, kSmallW1>(block[0], block[1], block[2], block[3],
                                     static_cast<float*>(nullptr), m, args, factors, inv_scale);
-    to_half(param + i, param_block, m);
-    to_half(exp_avg + i, exp_avg_block, m);
-    to_half(exp_avg_sq + i, exp_avg_sq_block, m);
-  }
+  });
 }
 
 // param_t is also the state's type; the caller checked the combination. No lambdas: everything
@@ -144,8 +132,8 @@ void multi_tensor_adam_cpu(int64_t chunk_size, Flag flag, const TensorLists& lis
   using namespace cpu;
   if (flag_is_set(flag)) return;  // a skipped step writes nothing
   const float inv_scale = read_scalar(args.inv_scale);
-  const AdamStepFactors factors =
-      adam_step_factors(args, args.step.ptr ? *args.step.ptr : args.step.value);
+  // The binding read a CPU step tensor on the host, so the step is a checked value here.
+  const AdamStepFactors factors = adam_step_factors(args, args.step.value);
   for_each_piece(lists, chunk_size, [&](const Piece& p) {
     adam_piece(lists, p, args, factors, inv_scale);
   });

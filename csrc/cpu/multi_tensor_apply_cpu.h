@@ -152,5 +152,37 @@ AMP_INLINE bool store_half_in_blocks(half_t* out, int64_t n, Compute&& compute) 
   return bad;
 }
 
+// One fp16 list of a loop run in fp32 blocks: widened from `in` before the loop (when the loop
+// reads it), stored to `out` after it (when the loop writes it); nullptr where it does not.
+struct HalfList {
+  const half_t* in;
+  half_t* out;
+};
+
+// Runs an fp32 loop over fp16 lists in blocks small enough to stay in L1: block by block, the
+// lists are widened into fp32 blocks (from_half), loop(blocks, m) updates elements [0, m) of the
+// blocks in place, and the written lists are stored back (to_half); both conversions take eight
+// elements per instruction with F16C.
+template <size_t kLists, typename Loop>
+AMP_INLINE void in_fp32_blocks(const HalfList (&lists)[kLists], int64_t n, Loop&& loop) {
+  static_assert(kLists <= 4, "in_fp32_blocks takes up to four lists");
+  // Four arrays rather than one 2-d array: the vectoriser then sees blocks that cannot overlap.
+  float block0[kHalfBlock];
+  float block1[kHalfBlock];
+  float block2[kHalfBlock];
+  float block3[kHalfBlock];
+  float* const blocks[4] = {block0, block1, block2, block3};
+  for (int64_t i = 0; i < n; i += kHalfBlock) {
+    const int64_t m = std::min(kHalfBlock, n - i);
+    for (size_t k = 0; k < kLists; ++k) {
+      if (lists[k].in != nullptr) from_half(blocks[k], lists[k].in + i, m);
+    }
+    loop(blocks, m);
+    for (size_t k = 0; k < kLists; ++k) {
+      if (lists[k].out != nullptr) to_half(lists[k].out + i, blocks[k], m);
+    }
+  }
+}
+
 }  // namespace cpu
 }  // namespace amp_C

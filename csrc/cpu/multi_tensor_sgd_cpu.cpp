@@ -40,26 +40,19 @@ AMP_INLINE void sgd_loop_half_copy(const grad_t* grad, float* weight, float* buf
   });
 }
 
-// Every list fp16 (depth 3): block by block, the lists are widened into fp32 blocks in L1
-// (from_half), the fp32 loop updates the blocks in place, and to_half() stores them back; both
-// conversions take eight elements per instruction with F16C.
+// Every list fp16 (depth 3): the fp32 loop over fp32 blocks of them (in_fp32_blocks); the buffer
+// is read only with momentum after the first run, written only with momentum.
 template <typename Options>
 AMP_INLINE void sgd_loop_half_weights(const half_t* grad, half_t* weight, half_t* buf, int64_t n,
                                       const SgdArgs& args, float scale) {
   constexpr bool kReadBuf = Options::momentum && !Options::first_run;
-  float grad_block[kHalfBlock];
-  float weight_block[kHalfBlock];
-  float buf_block[kHalfBlock];
-  for (int64_t i = 0; i < n; i += kHalfBlock) {
-    const int64_t m = std::min(kHalfBlock, n - i);
-    from_half(grad_block, grad + i, m);
-    from_half(weight_block, weight + i, m);
-    if (kReadBuf) from_half(buf_block, buf + i, m);
-    sgd_loop<Options, false>(grad_block, weight_block, buf_block, static_cast<float*>(nullptr), m,
-                             args, scale);
-    to_half(weight + i, weight_block, m);
-    if (Options::momentum) to_half(buf + i, buf_block, m);
-  }
+  const HalfList lists[] = {{grad, nullptr},
+                            {weight, weight},
+                            {kReadBuf ? buf : nullptr, Options::momentum ? buf : nullptr}};
+  in_fp32_blocks(lists, n, [&](float* const (&block)[4], int64_t m) {
+    sgd_loop<Options, false>(block[0], block[1], block[2], static_cast<float*>(nullptr), m, args,
+                             scale);
+  });
 }
 
 // The weights', buffers' and copies' types for grads of type grad_t (the caller checked the

@@ -1,7 +1,15 @@
 """Fixtures every test file gets without importing them: amp's state reset after each test, and
 the casting engine's device / patch-type / handle fixtures."""
-import pytest
-import torch
+import os
+
+# Before torch loads OpenMP: threads that wait for work sleep instead of spinning. The tests run
+# many tiny parallel regions; on a machine shared with other work (a CI runner, two test runs at
+# once) spinning threads fight for the cores and some tests run ten times slower. Results are
+# unchanged, and the kernels still run on every thread. A value you set yourself wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 import amp.casting
 from amp._amp_state import _amp_state

@@ -55,12 +55,14 @@ def free_port():
 
 
 @pytest.mark.parametrize("opt_level", LEVELS)
+@pytest.mark.slow
 def test_simple_smoke_learns_at_every_opt_level(opt_level):
     result = run("examples/simple/train.py", "--smoke", "--device", "cpu", "--opt-level", opt_level)
     assert_succeeded_and_learned(result)
     assert "test accuracy" in result.stdout
 
 
+@pytest.mark.slow
 def test_simple_same_seed_gives_same_run_and_writes_plot(tmp_path):
     plot = tmp_path / "curves.png"
     args = ("examples/simple/train.py", "--smoke", "--device", "cpu", "--opt-level", "O1")
@@ -95,6 +97,7 @@ sys.exit(status)
     32,  # the default: its smoke run skips one step here, and stays in the first epoch
     200,  # 7 steps an epoch: the 25 smoke steps cross 3 epoch boundaries
 ])
+@pytest.mark.slow
 def test_simple_plot_is_drawn_from_every_step_its_skips_and_epochs(batch_size, tmp_path):
     plot = tmp_path / "curves.png"
     result = run("-c", PLOTTED_HISTORY, "--smoke", "--device", "cpu", "--opt-level", "O2",
@@ -146,6 +149,7 @@ def test_curves_history_needs_one_entry_per_step():
 
 
 @pytest.mark.parametrize("opt_level", ["O1", "O2"])
+@pytest.mark.slow
 def test_dcgan_smoke_learns_and_writes_samples(opt_level, tmp_path):
     result = run("examples/dcgan/main_amp.py", "--smoke", "--device", "cpu", "--opt-level", opt_level,
                  "--outf", str(tmp_path))
@@ -154,6 +158,7 @@ def test_dcgan_smoke_learns_and_writes_samples(opt_level, tmp_path):
 
 
 @pytest.mark.parametrize("opt_level", ["O1", "O2"])
+@pytest.mark.slow
 def test_gradient_tricks_smoke_learns_and_resumes_exactly(opt_level):
     result = run("examples/gradient_tricks.py", "--smoke", "--device", "cpu", "--opt-level", opt_level)
     assert_succeeded_and_learned(result)
@@ -161,6 +166,7 @@ def test_gradient_tricks_smoke_learns_and_resumes_exactly(opt_level):
     assert "resumed run matches the uninterrupted one exactly: True" in result.stdout
 
 
+@pytest.mark.slow
 def test_distributed_smoke_learns_and_ranks_agree():
     result = run("-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
                  f"--master_port={free_port()}", "examples/distributed/train_ddp.py",
@@ -183,6 +189,7 @@ except RuntimeError as error:
 """
 
 
+@pytest.mark.slow
 def test_fsdp_smoke_learns_with_each_rank_holding_half_the_weights():
     probe = run("-c", FSDP2_PROBE)
     if probe.returncode != 0:
@@ -201,6 +208,7 @@ def test_fsdp_smoke_learns_with_each_rank_holding_half_the_weights():
     (("examples/distributed/train_ddp.py", "--opt-level", "O9"),
      "error: argument --opt-level: invalid choice: 'O9'"),
 ])
+@pytest.mark.slow
 def test_bad_argument_is_an_argparse_error(args, message):
     result = run(*args)
     assert result.returncode == 2

@@ -525,6 +525,7 @@ optimizer.step()
 """
 
 
+@pytest.mark.slow
 def test_an_amp_C_that_is_not_amps_is_not_called(tmp_path):
     # NVIDIA Apex installs a module named amp_C whose ops lack amp's arguments; amp must not use it.
     (tmp_path / "amp_C.py").write_text(APEX_AMP_C)

@@ -65,10 +65,11 @@ _R = TypeVar("_R")
 _extension_cuda = amp_C is not None and bool(getattr(amp_C, "cuda_available", lambda: False)())
 _extension_enabled = os.environ.get("AMP_DISABLE_EXTENSION", "0") != "1"
 _fallback_reported: set[str] = set()
-# How to build amp_C, for an installed amp-torch (pip rebuilds it from its sdist) and in a checkout.
+# How to build amp_C, for an installed amp-torch (pip rebuilds it from its sdist; --no-cache-dir, or
+# pip reuses the wheel it built before, whatever AMP_*_EXT says now) and in a checkout.
 _BUILD_HINT = ("AMP_CUDA_EXT=1 (or AMP_CPP_EXT=1 for the CPU kernels alone) pip install "
-               "--no-build-isolation --no-deps --force-reinstall --no-binary amp-torch amp-torch "
-               "(in a checkout: AMP_CUDA_EXT=1 pip install --no-build-isolation .)")
+               "--no-build-isolation --no-deps --force-reinstall --no-cache-dir --no-binary amp-torch "
+               "amp-torch (in a checkout: AMP_CUDA_EXT=1 pip install --no-build-isolation .)")
 
 
 class MultiTensorApply:

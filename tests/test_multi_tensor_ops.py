@@ -541,7 +541,7 @@ def test_an_amp_C_that_is_not_amps_is_not_called(tmp_path):
 def test_check_avail_explains_how_to_build_the_extension(monkeypatch):
     monkeypatch.setattr(mta.MultiTensorApply, "available", False)
     # From the sdist of an installed amp-torch, and in a checkout.
-    with pytest.raises(RuntimeError, match=r"AMP_CUDA_EXT=1 .*--no-binary amp-torch amp-torch "
+    with pytest.raises(RuntimeError, match=r"AMP_CUDA_EXT=1 .*--no-cache-dir --no-binary amp-torch amp-torch "
                        r"\(in a checkout: AMP_CUDA_EXT=1 pip install --no-build-isolation \.\)"):
         multi_tensor_applier.check_avail()
 

@@ -126,8 +126,8 @@ def ranks(tmp_path_factory):
     return [json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in range(WORLD)]
 
 
-@pytest.mark.parametrize("option", ["average", "sum", "predivide_average", "predivide_sum", "fp32_allreduce"])
 @pytest.mark.slow
+@pytest.mark.parametrize("option", ["average", "sum", "predivide_average", "predivide_sum", "fp32_allreduce"])
 def test_apex_ddp_reduction_option_has_apex_effect_on_the_gradients(ranks, option):
     assert all(result["reduction"][option] for result in ranks)
 
@@ -142,8 +142,8 @@ def test_apex_ddp_delay_allreduce_puts_every_gradient_in_one_bucket(ranks):
     assert all(result["buckets"]["delayed_fits_all"] for result in ranks)
 
 
-@pytest.mark.parametrize("what", ["converted", "output", "input_grad", "running"])
 @pytest.mark.slow
+@pytest.mark.parametrize("what", ["converted", "output", "input_grad", "running"])
 def test_syncbn_on_cpu_gloo_equals_batchnorm_over_every_rank(ranks, what):
     assert all(result["syncbn"][what] for result in ranks)
 

@@ -54,8 +54,8 @@ def free_port():
         return sock.getsockname()[1]
 
 
-@pytest.mark.parametrize("opt_level", LEVELS)
 @pytest.mark.slow
+@pytest.mark.parametrize("opt_level", LEVELS)
 def test_simple_smoke_learns_at_every_opt_level(opt_level):
     result = run("examples/simple/train.py", "--smoke", "--device", "cpu", "--opt-level", opt_level)
     assert_succeeded_and_learned(result)
@@ -93,11 +93,11 @@ sys.exit(status)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("batch_size", [
     32,  # the default: its smoke run skips one step here, and stays in the first epoch
     200,  # 7 steps an epoch: the 25 smoke steps cross 3 epoch boundaries
 ])
-@pytest.mark.slow
 def test_simple_plot_is_drawn_from_every_step_its_skips_and_epochs(batch_size, tmp_path):
     plot = tmp_path / "curves.png"
     result = run("-c", PLOTTED_HISTORY, "--smoke", "--device", "cpu", "--opt-level", "O2",
@@ -148,8 +148,8 @@ def test_curves_history_needs_one_entry_per_step():
         curves.History(losses=[1.0, 0.5], scales=[1.0], applied=[True, True])
 
 
-@pytest.mark.parametrize("opt_level", ["O1", "O2"])
 @pytest.mark.slow
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
 def test_dcgan_smoke_learns_and_writes_samples(opt_level, tmp_path):
     result = run("examples/dcgan/main_amp.py", "--smoke", "--device", "cpu", "--opt-level", opt_level,
                  "--outf", str(tmp_path))
@@ -157,8 +157,8 @@ def test_dcgan_smoke_learns_and_writes_samples(opt_level, tmp_path):
     assert (tmp_path / "fake_samples.png").stat().st_size > 0
 
 
-@pytest.mark.parametrize("opt_level", ["O1", "O2"])
 @pytest.mark.slow
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
 def test_gradient_tricks_smoke_learns_and_resumes_exactly(opt_level):
     result = run("examples/gradient_tricks.py", "--smoke", "--device", "cpu", "--opt-level", opt_level)
     assert_succeeded_and_learned(result)
@@ -202,13 +202,13 @@ def test_fsdp_smoke_learns_with_each_rank_holding_half_the_weights():
     assert "rank 0 holds 8613 of 17226 fp32 weights" in result.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, message", [
     (("examples/simple/train.py", "--epochs", "0"),
      "error: argument --epochs: expected a positive integer, got 0"),
     (("examples/distributed/train_ddp.py", "--opt-level", "O9"),
      "error: argument --opt-level: invalid choice: 'O9'"),
 ])
-@pytest.mark.slow
 def test_bad_argument_is_an_argparse_error(args, message):
     result = run(*args)
     assert result.returncode == 2

@@ -1,8 +1,10 @@
-"""Install amp and fp16_utils; optionally build the fused kernels as the extension ``amp_C``.
+"""Build the fused kernels as the extension ``amp_C`` when asked; the rest is in pyproject.toml.
 
-By default the install is pure Python and needs no compiler. ``AMP_CPP_EXT=1`` builds ``amp_C``
-with the CPU kernels; ``AMP_CUDA_EXT=1`` adds the CUDA kernels. Both need the PyTorch you
-already have, so build with ``pip install --no-build-isolation .``.
+The distribution ``amp-torch`` installs the packages ``amp`` and ``fp16_utils``. By default the
+install is pure Python and needs no compiler. ``AMP_CPP_EXT=1`` builds ``amp_C`` with the CPU
+kernels; ``AMP_CUDA_EXT=1`` adds the CUDA kernels. Both need the PyTorch you already have, so
+build with ``pip install --no-build-isolation`` (from a checkout, ``.``; from the sdist of an
+installed amp-torch, the command in the README's "Building the fused kernels").
 
 How the CUDA part is built: the ``.cu`` files include only the CUDA runtime and
 ``csrc/amp_C_kernels.h`` (raw pointers, sizes, dtype tags, an opaque stream), never PyTorch, so
@@ -41,7 +43,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from setuptools import find_packages, setup
+from setuptools import setup
 
 ROOT = Path(__file__).resolve().parent
 CSRC = ROOT / "csrc"
@@ -127,7 +129,7 @@ def _another_distributions_amp_C():
     from importlib import metadata
 
     for dist in metadata.distributions():
-        if (dist.metadata["Name"] or "").lower() == "amp":
+        if re.sub(r"[-_.]+", "-", dist.metadata["Name"] or "").lower() == "amp-torch":
             continue
         for file in dist.files or ():
             if len(file.parts) == 1 and file.name.startswith("amp_C.") and file.suffix in (".so", ".pyd"):
@@ -142,7 +144,8 @@ def _amp_C_extension(with_cuda):
     except ImportError as err:
         raise RuntimeError(
             "AMP_CPP_EXT=1 / AMP_CUDA_EXT=1 build amp_C against your installed PyTorch, which could "
-            "not be imported. Install torch first, then run `pip install --no-build-isolation .`."
+            "not be imported. Install torch first, then build with pip's --no-build-isolation (an "
+            "isolated build sees no torch): `pip install --no-build-isolation .` in a checkout."
         ) from err
 
     cpp_sources = [CSRC / "amp_C_frontend.cpp", CSRC / "amp_C_ops.cpp", CSRC / "amp_C_contract.cpp",
@@ -185,7 +188,7 @@ def _amp_C_extension(with_cuda):
             clash = None if self.inplace else _another_distributions_amp_C()
             if clash is not None:
                 raise RuntimeError(
-                    f"{clash[0]} installed its own amp_C ({clash[1]}); installing amp's would overwrite "
+                    f"{clash[0]} installed its own amp_C ({clash[1]}); installing amp-torch's would overwrite "
                     "that file. amp does not need it: install amp without AMP_CPP_EXT/AMP_CUDA_EXT (it "
                     "then uses its PyTorch ops, with the same results), or build amp_C in a separate "
                     "environment, or in place in a checkout (python setup.py build_ext --inplace).")
@@ -233,21 +236,5 @@ ext_modules, cmdclass = [], {}
 if _env_flag("AMP_CPP_EXT") or _env_flag("AMP_CUDA_EXT"):
     ext_modules, cmdclass = _amp_C_extension(with_cuda=_env_flag("AMP_CUDA_EXT"))
 
-setup(
-    name="amp",
-    version="0.1.0",
-    packages=find_packages(include=["amp", "amp.*", "fp16_utils", "fp16_utils.*"]),
-    # PEP 561: both packages are typed (mypy checks them in CI; see pyproject.toml).
-    package_data={"amp": ["py.typed"], "fp16_utils": ["py.typed"]},
-    python_requires=">=3.9",
-    # 2.3 is the oldest torch CI runs the whole suite on (with and without amp_C): the first
-    # with a CPU kernel for the grad unscale that amp's CPU path shares with torch's GradScaler.
-    install_requires=["torch>=2.3,<3", "packaging"],
-    extras_require={
-        # The tests run the examples' smoke modes, so they need the examples' packages too.
-        "test": ["pytest>=7", "hypothesis>=6", "ninja", "scikit-learn", "tqdm", "matplotlib"],
-        "examples": ["scikit-learn", "tqdm", "matplotlib"],
-    },
-    ext_modules=ext_modules,
-    cmdclass=cmdclass,
-)
+# Everything else (name, version, dependencies, packages) is declared in pyproject.toml.
+setup(ext_modules=ext_modules, cmdclass=cmdclass)

@@ -76,6 +76,11 @@ _R = TypeVar("_R")
 _extension_cuda = amp_C is not None and bool(getattr(amp_C, "cuda_available", lambda: False)())
 _extension_enabled = os.environ.get("AMP_DISABLE_EXTENSION", "0") != "1"
 _fallback_reported: set[str] = set()
+# How to build amp_C, for an installed amp-torch (pip rebuilds it from its sdist; --no-cache-dir, or
+# pip reuses the wheel it built before, whatever AMP_*_EXT says now) and in a checkout.
+_BUILD_HINT = ("AMP_CUDA_EXT=1 (or AMP_CPP_EXT=1 for the CPU kernels alone) pip install "
+               "--no-build-isolation --no-deps --force-reinstall --no-cache-dir --no-binary amp-torch "
+               "amp-torch (in a checkout: AMP_CUDA_EXT=1 pip install --no-build-isolation .)")
 
 
 class MultiTensorApply:
@@ -95,9 +100,8 @@ class MultiTensorApply:
         if not MultiTensorApply.available:
             raise RuntimeError(
                 "The amp_C extension is not built, so its kernels cannot be called directly. "
-                "Use the ops of amp.multi_tensor_apply (they fall back to PyTorch), or rebuild with "
-                "AMP_CUDA_EXT=1 (or AMP_CPP_EXT=1) pip install --no-build-isolation . "
-                f"Original error: {MultiTensorApply.import_err}"
+                "Use the ops of amp.multi_tensor_apply (they fall back to PyTorch), or build it with "
+                f"{_BUILD_HINT}. Original error: {MultiTensorApply.import_err}"
             )
 
     def __call__(self, op: Callable[..., _R], noop_flag_buffer: torch.Tensor, tensor_lists: TensorLists,
@@ -129,8 +133,7 @@ def _report_fallback_once(reason: str) -> None:
         _fallback_reported.add(reason)
         maybe_print(
             f"amp: {reason}; using the PyTorch multi-tensor ops (same results, slower). "
-            "Build the kernels with AMP_CUDA_EXT=1 (or AMP_CPP_EXT=1) "
-            "pip install --no-build-isolation .",
+            f"Build the kernels with {_BUILD_HINT}",
             rank0=True,
         )
 

@@ -513,6 +513,7 @@ print(out.tolist(), flag.item())
 """
 
 
+@pytest.mark.slow
 def test_a_bare_import_in_a_fresh_interpreter_works(tmp_path):
     # Apex-era files start with `import amp_C`: the extension finds torch's libraries through its
     # rpath and imports torch before it converts a tensor.

@@ -178,24 +178,29 @@ def ranks(tmp_path_factory):
     return [json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in range(WORLD)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("option", ["average", "sum", "predivide_average", "predivide_sum", "fp32_allreduce"])
 def test_apex_ddp_reduction_option_has_apex_effect_on_the_gradients(ranks, option):
     assert all(result["reduction"][option] for result in ranks)
 
 
+@pytest.mark.slow
 def test_apex_ddp_message_size_sets_the_bucket_size_in_gradient_elements(ranks):
     assert all(result["buckets"]["small_bytes"] == 1000 * 4 for result in ranks)
 
 
+@pytest.mark.slow
 def test_apex_ddp_delay_allreduce_puts_every_gradient_in_one_bucket(ranks):
     assert all(result["buckets"]["delayed_fits_all"] for result in ranks)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("what", ["converted", "output", "input_grad", "running"])
 def test_syncbn_on_cpu_gloo_equals_batchnorm_over_every_rank(ranks, what):
     assert all(result["syncbn"][what] for result in ranks)
 
 
+@pytest.mark.slow
 def test_apex_recipe_ddp_syncbn_larc_o2_keeps_ranks_bit_identical(ranks):
     for result in ranks:
         assert result["recipe"] == dict(params_equal=True, masters_equal=True, buffers_equal=True, finite=True)

@@ -6,8 +6,12 @@ the API they measure. Each runs as a subprocess from the repository root, like t
 import json
 import math
 
+import pytest
+
 from amp.multi_tensor_apply import MultiTensorApply
 from test_examples import run
+
+pytestmark = pytest.mark.slow
 
 TRAIN_STEP_CONFIGS = ["fp32", "autocast fp16 + GradScaler", "amp O1 (fp16)", "amp O2 (fp16)",
                       "amp O2 + FusedAdam (fp16)", "amp O2 + FusedAdam, master grads",

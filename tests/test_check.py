@@ -61,6 +61,7 @@ def readme_fields():
 # ---- the command on this machine ------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("env", [{}, {"AMP_DISABLE_EXTENSION": "1"}], ids=["as-built", "no-extension"])
 def test_the_quick_command_passes_and_writes_the_readme_s_fields(tmp_path, monkeypatch, env):
     status, output, document = command(tmp_path, **env)

@@ -131,6 +131,7 @@ def test_sparse_coo_without_is_coalesced_falls_back(monkeypatch):
 
 
 
+@pytest.mark.slow
 def test_importing_amp_warns_about_nothing():
     # The probes run at import: a torch warning from one would greet every user.
     env = dict(os.environ, PYTHONPATH=str(REPO))
@@ -139,6 +140,7 @@ def test_importing_amp_warns_about_nothing():
     assert result.returncode == 0, result.stderr
 
 
+@pytest.mark.slow
 def test_importing_amp_draws_no_random_numbers():
     # A script that seeds, builds its model, then imports amp (Lightning imports apex.amp that late)
     # must see the random numbers it would see without amp: the probes run at import.

@@ -19,7 +19,8 @@ import amp
 from amp._amp_state import _amp_state
 from amp_common import batch, loss_of, named_masters, net, poison_grad, sgd
 
-pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")]
 
 WORLD = 2
 

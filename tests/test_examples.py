@@ -54,6 +54,7 @@ def free_port():
         return sock.getsockname()[1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("opt_level", LEVELS)
 def test_simple_smoke_learns_at_every_opt_level(opt_level):
     result = run("examples/simple/train.py", "--smoke", "--device", "cpu", "--opt-level", opt_level)
@@ -61,6 +62,7 @@ def test_simple_smoke_learns_at_every_opt_level(opt_level):
     assert "test accuracy" in result.stdout
 
 
+@pytest.mark.slow
 def test_simple_same_seed_gives_same_run_and_writes_plot(tmp_path):
     plot = tmp_path / "curves.png"
     args = ("examples/simple/train.py", "--smoke", "--device", "cpu", "--opt-level", "O1")
@@ -91,6 +93,7 @@ sys.exit(status)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("batch_size", [
     32,  # the default: its smoke run skips one step here, and stays in the first epoch
     200,  # 7 steps an epoch: the 25 smoke steps cross 3 epoch boundaries
@@ -145,6 +148,7 @@ def test_curves_history_needs_one_entry_per_step():
         curves.History(losses=[1.0, 0.5], scales=[1.0], applied=[True, True])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("opt_level", ["O1", "O2"])
 def test_dcgan_smoke_learns_and_writes_samples(opt_level, tmp_path):
     result = run("examples/dcgan/main_amp.py", "--smoke", "--device", "cpu", "--opt-level", opt_level,
@@ -153,6 +157,7 @@ def test_dcgan_smoke_learns_and_writes_samples(opt_level, tmp_path):
     assert (tmp_path / "fake_samples.png").stat().st_size > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("opt_level", ["O1", "O2"])
 def test_gradient_tricks_smoke_learns_and_resumes_exactly(opt_level):
     result = run("examples/gradient_tricks.py", "--smoke", "--device", "cpu", "--opt-level", opt_level)
@@ -161,6 +166,7 @@ def test_gradient_tricks_smoke_learns_and_resumes_exactly(opt_level):
     assert "resumed run matches the uninterrupted one exactly: True" in result.stdout
 
 
+@pytest.mark.slow
 def test_distributed_smoke_learns_and_ranks_agree():
     result = run("-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
                  f"--master_port={free_port()}", "examples/distributed/train_ddp.py",
@@ -183,6 +189,7 @@ except RuntimeError as error:
 """
 
 
+@pytest.mark.slow
 def test_fsdp_smoke_learns_with_each_rank_holding_half_the_weights():
     probe = run("-c", FSDP2_PROBE)
     if probe.returncode != 0:
@@ -195,6 +202,7 @@ def test_fsdp_smoke_learns_with_each_rank_holding_half_the_weights():
     assert "rank 0 holds 8613 of 17226 fp32 weights" in result.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, message", [
     (("examples/simple/train.py", "--epochs", "0"),
      "error: argument --epochs: expected a positive integer, got 0"),

@@ -18,8 +18,9 @@ from amp._compat import FSDP2
 from amp_common import LOW_DTYPE, TOLERANCES, batch, loss_of, net, sgd
 from test_distributed import finish, free_port, same_on_every_rank, skipped
 
-pytestmark = pytest.mark.skipif(not dist.is_available() or FSDP2 is None,
-                                reason="torch.distributed or FSDP2 (fully_shard) is not available")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not dist.is_available() or FSDP2 is None,
+                                 reason="torch.distributed or FSDP2 (fully_shard) is not available")]
 
 WORLD = 2
 STEPS = 3

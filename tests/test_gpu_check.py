@@ -109,6 +109,7 @@ def row(out, prefix):
     return match
 
 
+@pytest.mark.slow
 def test_without_a_gpu_the_script_exits_with_a_message_and_builds_nothing(tmp_path):
     # A python wrapper records every invocation, so that a build attempt cannot go unnoticed.
     calls = tmp_path / "calls"
@@ -126,6 +127,7 @@ def test_without_a_gpu_the_script_exits_with_a_message_and_builds_nothing(tmp_pa
     assert table.count("| not run |") == 9 and "| met |" not in table
 
 
+@pytest.mark.slow
 def test_the_script_without_an_output_folder_prints_its_usage():
     result = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, timeout=30)
     assert result.returncode == 2

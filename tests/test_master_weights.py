@@ -121,6 +121,7 @@ def run_python(code):
     return result.stdout
 
 
+@pytest.mark.slow
 def test_importing_amp_does_not_import_fp16_utils():
     code = ("import sys, torch, amp\n"
             "model, opt = amp.initialize(torch.nn.Linear(2, 2), torch.optim.SGD(torch.nn.Linear(2, 2)"
@@ -129,6 +130,7 @@ def test_importing_amp_does_not_import_fp16_utils():
     assert run_python(code).strip() == "[]"
 
 
+@pytest.mark.slow
 def test_importing_fp16_utils_first_works_and_shares_amps_helpers():
     code = ("import fp16_utils, amp, amp._master_weights as mw, fp16_utils.fp16util as util\n"
             "assert fp16_utils.convert_network is mw.convert_network\n"

@@ -4,9 +4,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow
 def test_building_amp_C_to_install_refuses_to_overwrite_nvidia_apexs_amp_C(tmp_path):
     # An environment where NVIDIA Apex installed its own amp_C (only its metadata is needed).
     site = tmp_path / "site"

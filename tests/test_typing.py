@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow
 def test_both_packages_ship_py_typed(tmp_path):
     # build_py lays out exactly the package files that a wheel (and a plain install) carries.
     env = {key: value for key, value in os.environ.items() if key not in ("AMP_CPP_EXT", "AMP_CUDA_EXT")}

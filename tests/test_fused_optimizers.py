@@ -7,6 +7,7 @@ kernel performs the same fp32 operations in the same order the results are bit-i
 cannot (pure fp16/bf16 params at O3, which torch updates with a rounding after every operation and
 the kernel in fp32; grads accumulated in fp16 without master grads) the tests state the bound.
 """
+import contextlib
 import copy
 import io
 
@@ -305,6 +306,61 @@ def test_o2_skip_leaves_params_masters_state_and_step_untouched(name, materializ
     assert not amp.last_step_applied(optimizer)
     assert_identical(untouched(model, optimizer), before)
     assert amp.loss_scale(optimizer=optimizer) == 2.0**15
+
+
+# How the gradients of the step before a step() with no new backward were consumed.
+CONSUMED_BY = ["applied_step", "skipped_step", "zero_grad_keeping_tensors_after_step",
+               "zero_grad_keeping_tensors_before_step", "delay_unscale_accumulation", "two_losses",
+               "two_optimizers"]
+
+
+def steps_with_no_backward_in_between(make_optimizer, opt_level, consumed_by):
+    """Train, consume the grads as ``consumed_by`` says, then step again: what each extra step changed."""
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)) for _ in range(2)]
+    if consumed_by != "two_optimizers":
+        models = models[:1]
+    optimizers = [make_optimizer(model.parameters()) for model in models]
+    models, optimizers = amp.initialize(models, optimizers, opt_level=opt_level, num_losses=2, verbosity=0)
+    changes = []
+    for step in range(3):
+        for loss_id in range(2 if consumed_by in ("two_losses", "two_optimizers") else 1):
+            model = models[loss_id % len(models)]
+            optimizer = optimizers[loss_id % len(models)]
+            for delayed in [True, False] if consumed_by == "delay_unscale_accumulation" else [False]:
+                with amp.scale_loss(loss_of(model(batch(step))), optimizer, loss_id=loss_id,
+                                    delay_unscale=delayed) as scaled_loss:
+                    scaled_loss.backward()
+                    if consumed_by == "skipped_step" and step == 1:
+                        poison_grad(next(model.parameters()))
+        if consumed_by == "zero_grad_keeping_tensors_before_step":
+            for optimizer in optimizers:
+                optimizer.zero_grad(set_to_none=False)
+        for optimizer in optimizers:
+            optimizer.step()
+        if consumed_by == "zero_grad_keeping_tensors_after_step":
+            for optimizer in optimizers:
+                optimizer.zero_grad(set_to_none=False)
+        before = [snapshot(model, optimizer) for model, optimizer in zip(models, optimizers)]
+        with pytest.warns(UserWarning, match="nothing is trained") if step == 0 else contextlib.nullcontext():
+            for optimizer in optimizers:
+                optimizer.step()
+        after = [snapshot(model, optimizer) for model, optimizer in zip(models, optimizers)]
+        changes.append((before, after))
+    return changes
+
+
+# O5's static loss scale checks nothing, so it skips no step.
+@pytest.mark.parametrize("opt_level, consumed_by", [(level, consumed_by) for level in MASTER_LEVELS
+                                                    for consumed_by in CONSUMED_BY
+                                                    if level == "O2" or consumed_by != "skipped_step"])
+@pytest.mark.parametrize("make", [fused("adamw"), fused("sgd", **MODEL_GRADS), fused("sgd"), reference("adamw")],
+                         ids=["fused_adam_default", "fused_sgd_model_grads", "fused_sgd_master_grads", "torch_adamw"])
+def test_a_step_with_no_new_backward_changes_no_master_as_the_warning_says(make, opt_level, consumed_by):
+    # The model's fp16 grads that a step read stay in place (a step does not clear grads); a second
+    # step() used to read them again, divide them by a scale of 1 and update every master.
+    for before, after in steps_with_no_backward_in_between(make, opt_level, consumed_by):
+        assert_identical(after, before)
 
 
 @pytest.mark.parametrize("opt_level", ["O1", "O2"])

@@ -13,7 +13,10 @@ Two callers hand a step more than the parameters' ``.grad``:
   param): the op then writes the rounded master into the model param itself, and, with
   ``_amp_grads_from_model`` (set by amp per step: ``materialize_master_grads=False`` and no one read
   ``amp.master_params``' grads), reads the model param's low-precision grad, which carries
-  ``most_recent_scale``, instead of an fp32 master grad.
+  ``most_recent_scale``, instead of an fp32 master grad. It reads only grads that a backward left
+  since the last step or ``zero_grad`` (``scale_set_by_backward``): a step consumes them, and a
+  master without this step's grad is not updated, so that a second ``step()`` with no backward in
+  between changes no master, as with fp32 master grads, which every step clears.
 """
 from __future__ import annotations
 
@@ -117,7 +120,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         copies = getattr(self, "_amp_model_copies", None) or {}
         from_model = getattr(self, "_amp_grads_from_model", False)
         # Everything is checked before the first op writes anything.
-        plans = [self._buckets(group, copies, from_model) for group in self.param_groups]
+        plans = [self._buckets(group, copies, from_model, self.scale_set_by_backward)
+                 for group in self.param_groups]
         inv_scale = 1.0 if grad_scale is None else inverse(grad_scale)
         model_inv_scale = inverse(self.most_recent_scale) if from_model else inv_scale
         if from_model and grad_scale is not None:
@@ -134,12 +138,19 @@ class FusedOptimizer(torch.optim.Optimizer):
         raise NotImplementedError
 
     def _buckets(self, group: dict[str, Any], copies: dict[torch.Tensor, torch.Tensor],
-                 from_model: bool) -> dict[BucketKey, Bucket]:
-        """``{(device, grad dtype, param dtype, copy dtype or None, reads the model grad): Bucket}``."""
+                 from_model: bool, model_grads_fresh: bool) -> dict[BucketKey, Bucket]:
+        """``{(device, grad dtype, param dtype, copy dtype or None, reads the model grad): Bucket}``.
+
+        With ``from_model`` a param with a model copy takes the copy's grad if ``model_grads_fresh``
+        (a backward left it since the last step), else none.
+        """
         buckets: dict[BucketKey, Bucket] = {}
         for param in group["params"]:
             copy = copies.get(param)
-            grad = copy.grad if from_model and copy is not None else param.grad
+            if from_model and copy is not None:
+                grad = copy.grad if model_grads_fresh else None
+            else:
+                grad = param.grad
             if grad is None:
                 continue
             if grad.is_sparse:

@@ -261,7 +261,8 @@ def master_params(optimizer: OptimizerLike) -> Iterator[torch.Tensor]:
     Clip gradients and read optimizer-side values through these, not ``model.parameters()``:
     under master weights the model's own low-precision ``.grad`` stay scaled. An ``amp.optimizers``
     optimizer with ``materialize_master_grads=False`` keeps no fp32 master grads; between
-    ``scale_loss`` and ``step`` this makes them, for that step, so that clipping them works as in Apex.
+    ``scale_loss`` and ``step`` this makes them, for that step, so that clipping them works as in Apex
+    (the masters of a list kept from an earlier call hold grads that raise when read).
     """
     stash = getattr(optimizer, "_amp_stash", None)
     if stash is not None:

@@ -94,7 +94,7 @@ CONFIGS = {
     "amp O1 (fp16)": ("O1", torch.float16),
     "amp O2 (fp16)": ("O2", torch.float16),
     "amp O2 + FusedAdam (fp16)": ("O2", torch.float16),
-    "amp O2 + FusedAdam, master grads": ("O2", torch.float16),
+    "amp O2 + FusedAdam, model grads": ("O2", torch.float16),
     "autocast bf16": ("autocast", torch.bfloat16),
     "amp O5 (bf16)": ("O5", torch.bfloat16),
     "amp O5 + FusedAdam (bf16)": ("O5", torch.bfloat16),
@@ -102,19 +102,20 @@ CONFIGS = {
 # Configurations stepped by amp.optimizers.FusedAdam instead of torch's AdamW, with its options.
 FUSED_ADAM = {
     "amp O2 + FusedAdam (fp16)": {},
-    "amp O2 + FusedAdam, master grads": dict(materialize_master_grads=True),
+    "amp O2 + FusedAdam, model grads": dict(materialize_master_grads=False),
     "amp O5 + FusedAdam (bf16)": {},
 }
 # Bytes each configuration's post-backward work moves per parameter (reads + writes), counted from
 # the passes it makes: unscale fp16 -> fp32 master grads (2 + 4), fused AdamW on fp32 (read p, g,
 # m, v: 16; write p, m, v: 12), master -> model copy (4 + 2); GradScaler's check-and-unscale of
-# the fp32 grads in place (4 + 4) and torch's fused AdamW writing the unscaled grad back (4); the
-# fused path's read-only overflow check (2), skipped under a static scale (O5), and its one pass
-# (read g16, p, m, v: 14; write p, m, v, p16: 14).
+# the fp32 grads in place (4 + 4) and torch's fused AdamW writing the unscaled grad back (4);
+# FusedAdam's pass, which also writes the model copy (from fp32 master grads: read 16, write 14;
+# with model grads: read g16, p, m, v: 14, write 14, after a read-only overflow check (2) that a
+# static scale (O5) skips).
 BYTES_PER_PARAM = {
     "fp32": 28, "autocast fp16 + GradScaler": 8 + 32, "amp O1 (fp16)": 8 + 28, "amp O2 (fp16)": 6 + 28 + 6,
-    "amp O2 + FusedAdam (fp16)": 2 + 28, "amp O2 + FusedAdam, master grads": 6 + 30,
-    "autocast bf16": 28, "amp O5 (bf16)": 6 + 28 + 6, "amp O5 + FusedAdam (bf16)": 28,
+    "amp O2 + FusedAdam (fp16)": 6 + 30, "amp O2 + FusedAdam, model grads": 2 + 28,
+    "autocast bf16": 28, "amp O5 (bf16)": 6 + 28 + 6, "amp O5 + FusedAdam (bf16)": 6 + 30,
 }
 
 

@@ -14,7 +14,7 @@ from test_examples import run
 pytestmark = pytest.mark.slow
 
 TRAIN_STEP_CONFIGS = ["fp32", "autocast fp16 + GradScaler", "amp O1 (fp16)", "amp O2 (fp16)",
-                      "amp O2 + FusedAdam (fp16)", "amp O2 + FusedAdam, master grads",
+                      "amp O2 + FusedAdam (fp16)", "amp O2 + FusedAdam, model grads",
                       "autocast bf16", "amp O5 (bf16)", "amp O5 + FusedAdam (bf16)"]
 
 

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 import amp
+from amp._controller.unmade_grad import UnmadeGrad
 from amp.multi_tensor_apply import MultiTensorApply, use_extension
 from amp.optimizers import FusedAdam, FusedSGD
 from amp_common import (LEVELS, LOW_DTYPE, MASTER_LEVELS, assert_identical, batch, loss_of, net,
@@ -137,7 +138,7 @@ def test_float64_params_are_refused_naming_the_dtype(make):
 def test_apex_defaults():
     adam = FusedAdam([nn.Parameter(torch.zeros(2))])
     assert (adam.defaults["lr"], adam.defaults["betas"], adam.defaults["eps"]) == (1e-3, (0.9, 0.999), 1e-8)
-    assert adam.adam_w_mode and adam.set_grad_none and not adam.materialize_master_grads
+    assert adam.adam_w_mode and adam.set_grad_none and adam.materialize_master_grads
     sgd = FusedSGD([nn.Parameter(torch.zeros(2))], lr=0.1)
     assert sgd.materialize_master_grads and not sgd.set_grad_none and not sgd.wd_after_momentum
 
@@ -354,8 +355,10 @@ def steps_with_no_backward_in_between(make_optimizer, opt_level, consumed_by):
 @pytest.mark.parametrize("opt_level, consumed_by", [(level, consumed_by) for level in MASTER_LEVELS
                                                     for consumed_by in CONSUMED_BY
                                                     if level == "O2" or consumed_by != "skipped_step"])
-@pytest.mark.parametrize("make", [fused("adamw"), fused("sgd", **MODEL_GRADS), fused("sgd"), reference("adamw")],
-                         ids=["fused_adam_default", "fused_sgd_model_grads", "fused_sgd_master_grads", "torch_adamw"])
+@pytest.mark.parametrize("make", [fused("adamw", **MODEL_GRADS), fused("sgd", **MODEL_GRADS), fused("adamw"),
+                                  fused("sgd"), reference("adamw")],
+                         ids=["fused_adam_model_grads", "fused_sgd_model_grads", "fused_adam_master_grads",
+                              "fused_sgd_master_grads", "torch_adamw"])
 def test_a_step_with_no_new_backward_changes_no_master_as_the_warning_says(make, opt_level, consumed_by):
     # The model's fp16 grads that a step read stay in place (a step does not clear grads); a second
     # step() used to read them again, divide them by a scale of 1 and update every master.
@@ -499,6 +502,67 @@ def test_master_grads_made_by_reading_them_accumulate_later_passes_as_materializ
                      run_reading_master_grads_between_passes(fused(name, materialize_master_grads=True)))
 
 
+def run_clipping_a_kept_list(make_optimizer):
+    """Apex-era code: the masters are listed once, and that list is clipped at every step."""
+    model = net()
+    model, optimizer = amp.initialize(model, make_optimizer(model.parameters()), opt_level="O2", verbosity=0)
+    masters = list(amp.master_params(optimizer))
+    norms = []
+    for step in range(3):
+        with amp.scale_loss(loss_of(model(batch(step))), optimizer) as scaled_loss:
+            scaled_loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(masters, 0.05))
+        optimizer.step()
+        optimizer.zero_grad()
+    return dict(trained(model, optimizer), norms=norms)
+
+
+def test_fused_adam_by_default_gives_a_kept_list_of_master_params_their_gradients_as_apex_did():
+    # Its default used to make no master grads: the kept list's clip returned 0 and clipped nothing.
+    assert_identical(run_clipping_a_kept_list(fused("adamw")), run_clipping_a_kept_list(reference("adamw")))
+
+
+@pytest.mark.parametrize("name", ["sgd", "adamw"])
+def test_without_materialized_master_grads_reading_a_kept_list_of_master_params_raises_saying_what_to_do(name):
+    model = net()
+    model, optimizer = amp.initialize(model, fused(name, **MODEL_GRADS)(model.parameters()), opt_level="O2",
+                                      verbosity=0)
+    masters = list(amp.master_params(optimizer))
+    with amp.scale_loss(loss_of(model(batch(0))), optimizer) as scaled_loss:
+        scaled_loss.backward()
+    for read in (lambda: torch.nn.utils.clip_grad_norm_(masters, 0.05), lambda: masters[0].grad.norm(),
+                 lambda: torch.nn.utils.clip_grad_norm_(optimizer.param_groups[0]["params"], 0.05)):
+        with pytest.raises(RuntimeError, match=r"master of fc1\.weight has no gradient.*Iterate "
+                           r"amp\.master_params\(optimizer\) again after each step's last scale_loss block"):
+            read()
+    # Iterating amp.master_params makes the grads; the step then trains as the unfused path does.
+    torch.nn.utils.clip_grad_norm_(amp.master_params(optimizer), 0.05)
+    optimizer.step()
+    assert all(master.grad is None for master in optimizer._amp_stash.all_fp32_from_fp16_params)
+    reference_model = net()
+    reference_model, reference_optimizer = amp.initialize(
+        reference_model, reference(name)(reference_model.parameters()), opt_level="O2", verbosity=0)
+    with amp.scale_loss(loss_of(reference_model(batch(0))), reference_optimizer) as scaled_loss:
+        scaled_loss.backward()
+    torch.nn.utils.clip_grad_norm_(amp.master_params(reference_optimizer), 0.05)
+    reference_optimizer.step()
+    assert_identical(trained(model, optimizer), trained(reference_model, reference_optimizer))
+
+
+def test_without_materialized_master_grads_overflows_that_never_end_still_name_the_parameter():
+    model = net()
+    model, optimizer = amp.initialize(model, fused("adamw", **MODEL_GRADS)(model.parameters()), opt_level="O2",
+                                      max_consecutive_skips=2, verbosity=0)
+    with pytest.raises(amp.NonFiniteGradientsError, match=r"not finite: fc1\.weight"):
+        run_steps = range(3)
+        for step in run_steps:
+            with amp.scale_loss(loss_of(model(batch(step))), optimizer) as scaled_loss:
+                scaled_loss.backward()
+                poison_grad(model.fc1.weight)
+            optimizer.step()
+            optimizer.zero_grad()
+
+
 @pytest.mark.parametrize("name", ["sgd", "adamw"])
 def test_o2_clipping_master_grads_works_with_materialized_master_grads(name):
     actual = trained(*run_clipped(fused(name, materialize_master_grads=True)))
@@ -509,11 +573,11 @@ def test_o2_clipping_master_grads_works_with_materialized_master_grads(name):
 
 @pytest.mark.parametrize("opt_level", MASTER_LEVELS)
 def test_model_grads_path_makes_no_fp32_master_grads_and_writes_the_model_copy(opt_level):
-    model, optimizer = run(opt_level, fused("adamw"), steps=1)
+    model, optimizer = run(opt_level, fused("adamw", **MODEL_GRADS), steps=1)
     with amp.scale_loss(loss_of(model(batch(5))), optimizer) as scaled_loss:
         scaled_loss.backward()
     stash = optimizer._amp_stash
-    assert all(master.grad is None for master in stash.all_fp32_from_fp16_params)
+    assert all(isinstance(master.grad, UnmadeGrad) for master in stash.all_fp32_from_fp16_params)
     assert all(buffer is None for buffer in stash.master_grad_buffers)
     assert all(param.grad.dtype == LOW_DTYPE[opt_level] for param in stash.all_fp16_params)
     optimizer.step()

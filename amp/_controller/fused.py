@@ -19,7 +19,9 @@ kernel. What this controller then does at each ``scale_loss`` exit:
 
 Code written for Apex reads or clips the masters' grads (``amp.master_params``) between
 ``scale_loss`` and ``step``; there and then the model's grads are unscaled into fp32 master grads,
-and the rest of that step runs as with ``materialize_master_grads=True``.
+and the rest of that step runs as with ``materialize_master_grads=True``. Until then each master
+whose model param has a grad holds an ``UnmadeGrad``, which raises if read: masters reached
+otherwise (a list kept from an earlier step) would show no grad, and a clip would clip nothing.
 
 The optimizer finds what it needs as attributes: ``_amp_model_copies`` (master -> model param),
 ``_amp_grads_from_model`` (whether this step reads the model's grads rather than master grads), and
@@ -36,6 +38,7 @@ from ..multi_tensor_apply import Scalar, multi_tensor_applier, multi_tensor_axpb
 from .grads import GradStash, MasterGrads, put_back, set_aside
 from .masters import Masters
 from .phase import Phase, combine_flags
+from .unmade_grad import UnmadeGrad
 from .weights import MasterWeights
 
 __all__ = ["FusedMasterWeights", "inverse"]
@@ -98,6 +101,7 @@ class FusedMasterWeights:
         # This step's mode: materialize_master_grads, or True once amp.master_params made them.
         self.reads_master_grads = self.materialize_master_grads
         self._scratch_flags: dict[torch.device, torch.Tensor] = {}
+        self._unmade_grads: dict[int, UnmadeGrad] = {}  # master index -> its stand-in grad, made once
 
     @property
     def masters(self) -> Masters:
@@ -122,6 +126,7 @@ class FusedMasterWeights:
     def init_params(self, fp32_values: dict[int, torch.Tensor] | None) -> None:
         """As for any optimizer, then tell the optimizer which model param each master rounds into."""
         self.plain.init_params(fp32_values)
+        self._unmade_grads = {}
         self._publish_model_copies()
 
     def add_group(self, group: dict[str, Any]) -> None:
@@ -150,6 +155,7 @@ class FusedMasterWeights:
             return
         models, masters = [], []
         for index, (param, master) in enumerate(zip(self.masters.model_params, self.masters.masters)):
+            master.grad = None  # its UnmadeGrad, if any
             if param.grad is not None:
                 master.grad = self.master_grads.buffer(index, master)
                 models.append(param.grad)
@@ -168,6 +174,8 @@ class FusedMasterWeights:
         self.plain.check_step(closure, phase)
 
     def before_step(self) -> None:
+        if not self.reads_master_grads:
+            self.masters.clear_grads()  # the stand-ins: the step reads the model's grads
         self.plain.before_step()
 
     def after_step(self, copy_masters: bool) -> None:
@@ -251,6 +259,18 @@ class FusedMasterWeights:
         optimizer.most_recent_scale = out_scale
         optimizer.scale_set_by_backward = True
         self.fp32.unscale(scaler)
+        self._stand_in_for_master_grads()
+
+    def _stand_in_for_master_grads(self) -> None:
+        """Give each master whose model param has a grad an ``UnmadeGrad``, until the step or ``amp.master_params``."""
+        for index, (param, master) in enumerate(zip(self.masters.model_params, self.masters.masters)):
+            if param.grad is None:
+                continue
+            grad = self._unmade_grads.get(index)
+            if grad is None:
+                name = self.param_names.get(master, f"parameter {index} of the optimizer")
+                grad = self._unmade_grads[index] = UnmadeGrad(master, name, type(self.optimizer).__name__)
+            master.grad = grad
 
     def _combine(self, scaler: Any, scale: Any, earlier: Any, out_scale: Any, fresh: list[torch.Tensor],
                  new: list[torch.Tensor], old: list[torch.Tensor], alone: list[torch.Tensor],

@@ -27,8 +27,9 @@ class FusedSGD(FusedOptimizer):
     fp16/bf16 model parameter, so amp's separate master->model copy is skipped. With
     ``materialize_master_grads=False`` it also reads the model's low-precision gradients directly
     (no fp32 master gradients are made; the loss scale is divided out inside the pass), which saves
-    another pass; reading ``amp.master_params(optimizer)`` between ``scale_loss`` and ``step`` (to
-    clip) still makes them, for that step.
+    another pass; iterating ``amp.master_params(optimizer)`` between ``scale_loss`` and ``step`` (to
+    clip) still makes them, for that step, and a master reached otherwise (a list kept from an
+    earlier step) holds a gradient that raises if it is read.
 
     Args:
         params: parameters or param groups (float32, float16 or bfloat16; dense gradients).

@@ -3,6 +3,7 @@ refused, SyncBatchNorm on CPU/gloo, and DDP + SyncBatchNorm + LARC + amp O2 on t
 
 One spawn of two gloo ranks runs every scenario; each rank writes what it saw to a JSON file.
 """
+import copy
 import json
 
 import pytest
@@ -21,7 +22,7 @@ from amp.parallel import (
     create_syncbn_process_group,
 )
 from amp.parallel.distributed import flat_dist_call
-from amp_common import batch, loss_of, net
+from amp_common import assert_identical, batch, loss_of, net
 from test_distributed import WORLD, finish, free_port, same_on_every_rank
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
@@ -100,6 +101,100 @@ def syncbn_scenario(rank):
     )
 
 
+# (N, H, W, C) of Apex's channel_last inputs, rank 0's N; H == C would hide normalising dim 1.
+CHANNEL_LAST_SHAPES = {"h_equals_c": (3, 3, 5, 3), "h_differs_from_c": (3, 6, 5, 3)}
+
+
+def bn_pair(channels, **sync_kwargs):
+    """A SyncBatchNorm and a torch BatchNorm2d with the same random affine parameters."""
+    torch.manual_seed(0)
+    reference = nn.BatchNorm2d(channels)
+    with torch.no_grad():
+        reference.weight.uniform_(0.5, 1.5)
+        reference.bias.uniform_(-0.5, 0.5)
+    synced = SyncBatchNorm(channels, **sync_kwargs)
+    synced.load_state_dict(reference.state_dict())
+    return synced, reference
+
+
+def channel_last_inputs(shape, ranks):
+    """Per rank an (N + rank, H, W, C) input, channels last; unequal row counts."""
+    generator = torch.Generator().manual_seed(7)
+    return [torch.randn(shape[0] + r, *shape[1:], generator=generator) for r in range(ranks)]
+
+
+def compare_channel_last(synced, reference, inputs, rank):
+    """Output, input/weight/bias grads and running stats of ``synced`` on rank ``rank``'s input against
+    ``reference`` on every rank's input, moved to (N, C, H, W); the weights' grads summed over ranks."""
+    mine = inputs[rank].clone().requires_grad_()
+    out = synced(mine)
+    (out * (rank + 1)).sum().backward()
+    everything = torch.cat(inputs).requires_grad_()
+    ref_out = reference(everything.permute(0, 3, 1, 2)).permute(0, 2, 3, 1)
+    weights = torch.cat([torch.full((len(x), 1, 1, 1), r + 1.0) for r, x in enumerate(inputs)])
+    (ref_out * weights).sum().backward()
+    rows = slice(sum(len(x) for x in inputs[:rank]), sum(len(x) for x in inputs[:rank + 1]))
+    param_grads = torch.cat([synced.weight.grad, synced.bias.grad])
+    if len(inputs) > 1:
+        dist.all_reduce(param_grads)
+    close = dict(rtol=1e-5, atol=1e-5)
+    return dict(
+        output=out.shape == mine.shape and torch.allclose(out, ref_out[rows], **close),
+        input_grad=torch.allclose(mine.grad, everything.grad[rows], **close),
+        param_grads=torch.allclose(param_grads, torch.cat([reference.weight.grad, reference.bias.grad]), **close),
+        running=torch.allclose(synced.running_mean, reference.running_mean, **close)
+        and torch.allclose(synced.running_var, reference.running_var, **close),
+        eval=torch.allclose(synced.eval()(inputs[rank]),
+                            reference.eval()(inputs[rank].permute(0, 3, 1, 2)).permute(0, 2, 3, 1), **close),
+    )
+
+
+def syncbn_channel_last_scenario(rank):
+    """SyncBatchNorm(channel_last=True), synchronised: the channels are the inputs' last dimension."""
+    results = {}
+    for name, shape in CHANNEL_LAST_SHAPES.items():
+        synced, reference = bn_pair(shape[-1], channel_last=True)
+        results[name] = compare_channel_last(synced, reference, channel_last_inputs(shape, WORLD), rank)
+    return results
+
+
+def empty_batch_step(synced, reference, inputs, rank):
+    """One training step of ``synced`` on rank ``rank``'s rows against ``reference`` on all of them."""
+    mine = inputs[rank].clone().requires_grad_()
+    out = synced(mine)
+    out.sum().backward()
+    everything = torch.cat(inputs).requires_grad_()
+    ref_out = reference(everything)
+    ref_out.sum().backward()
+    rows = slice(sum(len(x) for x in inputs[:rank]), sum(len(x) for x in inputs[:rank + 1]))
+    param_grads = torch.cat([synced.weight.grad, synced.bias.grad])
+    dist.all_reduce(param_grads)
+    return dict(
+        output=out.shape == mine.shape and torch.allclose(out, ref_out[rows], atol=1e-5),
+        input_grad=mine.grad is not None and torch.allclose(mine.grad, everything.grad[rows], atol=1e-6),
+        param_grads=torch.allclose(param_grads, torch.cat([reference.weight.grad, reference.bias.grad]), atol=1e-6),
+        running=torch.allclose(synced.running_mean, reference.running_mean, atol=1e-6)
+        and torch.allclose(synced.running_var, reference.running_var, atol=1e-6)
+        and torch.equal(synced.num_batches_tracked, reference.num_batches_tracked),
+    )
+
+
+def syncbn_empty_scenario(rank):
+    """A step where no rank has a row, between ordinary steps: as torch's BatchNorm on the same rows."""
+    results = {}
+    for momentum in (0.1, None):
+        reference = nn.BatchNorm1d(4, momentum=momentum)
+        synced = convert_syncbn_model(copy.deepcopy(reference))
+        steps = {}
+        for step, rows in enumerate([5, 0, 3]):
+            inputs = [batch(30 + 10 * step + r, rows=rows) for r in range(WORLD)]
+            steps[f"rows_{rows}"] = empty_batch_step(synced, reference, inputs, rank)
+            synced.zero_grad()
+            reference.zero_grad()
+        results[f"momentum_{momentum}"] = steps
+    return results
+
+
 def apex_recipe_scenario(rank):
     """Apex's imagenet recipe: SyncBN, amp O2, Apex DDP, LARC; ranks seeded apart."""
     model = convert_syncbn_model(net(seed=rank))
@@ -167,7 +262,8 @@ def worker(rank, port, out_dir):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     results = dict(reduction=reduction_scenario(rank), buckets=bucket_scenario(),
                    syncbn=syncbn_scenario(rank), recipe=apex_recipe_scenario(rank),
-                   reducer=reducer_scenario(rank), syncbn_group=syncbn_group_scenario(rank))
+                   reducer=reducer_scenario(rank), syncbn_group=syncbn_group_scenario(rank),
+                   syncbn_channel_last=syncbn_channel_last_scenario(rank), syncbn_empty=syncbn_empty_scenario(rank))
     finish(rank, results, out_dir)
 
 
@@ -198,6 +294,23 @@ def test_apex_ddp_delay_allreduce_puts_every_gradient_in_one_bucket(ranks):
 @pytest.mark.parametrize("what", ["converted", "output", "input_grad", "running"])
 def test_syncbn_on_cpu_gloo_equals_batchnorm_over_every_rank(ranks, what):
     assert all(result["syncbn"][what] for result in ranks)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("what", ["output", "input_grad", "param_grads", "running", "eval"])
+@pytest.mark.parametrize("shape", CHANNEL_LAST_SHAPES)
+def test_syncbn_channel_last_normalises_the_last_dimension_over_every_rank(ranks, shape, what):
+    assert all(result["syncbn_channel_last"][shape][what] for result in ranks)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("what", ["output", "input_grad", "param_grads", "running"])
+@pytest.mark.parametrize("momentum", ["momentum_0.1", "momentum_None"])
+def test_syncbn_step_where_no_rank_has_a_row_leaves_the_running_stats_as_batchnorm_does(ranks, momentum, what):
+    # Before and after the empty step the statistics are taken over rows again; the NaN the empty
+    # step used to write into the running statistics would stay there.
+    for result in ranks:
+        assert all(step[what] for step in result["syncbn_empty"][momentum].values())
 
 
 @pytest.mark.slow
@@ -253,6 +366,44 @@ def test_apex_ddp_argument_that_cannot_be_honoured_is_refused_with_what_to_do(ar
 def test_apex_ddp_bad_values_are_refused_before_anything_is_built(kwargs, match):
     with pytest.raises((ValueError, TypeError), match=match):
         DistributedDataParallel(nn.Linear(2, 2), **kwargs)
+
+
+@pytest.mark.parametrize("shape", CHANNEL_LAST_SHAPES.values(), ids=CHANNEL_LAST_SHAPES)
+def test_syncbn_channel_last_normalises_the_last_dimension_as_apex_did(shape):
+    synced, reference = bn_pair(shape[-1], channel_last=True)
+    assert all(compare_channel_last(synced, reference, channel_last_inputs(shape, 1), 0).values())
+
+
+def test_syncbn_channel_last_is_channel_first_for_2d_inputs_as_apex_did():
+    synced, reference = bn_pair(3, channel_last=True)
+    x = batch(3)[:, :3]
+    assert torch.equal(synced(x), nn.functional.batch_norm(
+        x, None, None, reference.weight, reference.bias, training=True, eps=reference.eps))
+
+
+def test_convert_syncbn_model_passes_channel_last_on():
+    model = convert_syncbn_model(nn.Sequential(nn.BatchNorm2d(3)), channel_last=True)
+    x = torch.randn(2, 4, 5, 3)
+    assert torch.allclose(model(x), nn.BatchNorm2d(3)(x.permute(0, 3, 1, 2)).permute(0, 2, 3, 1), atol=1e-6)
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_syncbn_on_an_empty_batch_in_one_process_does_what_batchnorm_does(momentum):
+    synced = SyncBatchNorm(4, momentum=momentum)
+    reference = nn.BatchNorm1d(4, momentum=momentum)
+    with torch.no_grad():
+        for bn in (synced, reference):
+            bn.running_mean.fill_(0.5)
+            bn.weight.fill_(2.0)
+    for bn in (synced, reference):
+        x = torch.empty(0, 4, requires_grad=True)
+        out = bn(x)
+        out.sum().backward()
+        assert out.shape == (0, 4) and x.grad.shape == (0, 4)
+    assert_identical([synced.running_mean, synced.running_var, synced.num_batches_tracked,
+                      synced.weight.grad, synced.bias.grad],
+                     [reference.running_mean, reference.running_var, reference.num_batches_tracked,
+                      reference.weight.grad, reference.bias.grad])
 
 
 def test_syncbn_refuses_fuse_relu_and_converts_nested_batchnorms_with_their_values():

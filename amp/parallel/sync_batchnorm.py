@@ -6,7 +6,9 @@ torch's DDP refuses any CPU module holding one ("SyncBatchNorm layers only work 
 modules"). So this layer is a plain ``_BatchNorm`` that synchronises by itself, on any device:
 two autograd-aware all-reduces per forward (the per-channel sums and counts, then the sums of
 squared deviations), whose backward sums the statistics' gradients across ranks. Ranks may hold
-different numbers of rows. Evaluation, and a single rank, are ordinary batch normalisation.
+different numbers of rows, none included; a step where no rank has a row leaves the running
+statistics as they are, as torch's ``BatchNorm`` does with an empty batch. Evaluation, and a
+single rank, are ordinary batch normalisation.
 """
 from __future__ import annotations
 
@@ -44,8 +46,10 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
 
     Apex's signature: ``SyncBatchNorm(num_features, eps=1e-5, momentum=0.1, affine=True,
     track_running_stats=True, process_group=None, channel_last=False, fuse_relu=False)``.
-    ``channel_last`` is accepted (the layer reads any memory format); ``fuse_relu=True`` is
-    refused (apply ``torch.relu`` after the layer). Inputs of any rank >= 2, as torch's.
+    Inputs of any rank >= 2, as torch's, in any memory format: ``(N, C, ...)``, or with
+    ``channel_last=True`` (Apex's meaning) ``(N, ..., C)``, the channels in the last dimension, as
+    from a model that keeps NHWC tensors. ``fuse_relu=True`` is refused (apply ``torch.relu`` after
+    the layer).
     """
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1,
@@ -70,6 +74,11 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         return dist.get_world_size(self.process_group or dist.group.WORLD)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if self.channel_last and input.dim() > 2:
+            return self._forward_channels_first(input.movedim(-1, 1)).movedim(1, -1).contiguous()
+        return self._forward_channels_first(input)
+
+    def _forward_channels_first(self, input: torch.Tensor) -> torch.Tensor:
         if self.training and self._group_size() > 1:
             self._check_input_dim(input)
             return self._synchronised_forward(input)
@@ -83,11 +92,14 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         count = torch.tensor([x.numel() / channels], dtype=torch.float32, device=x.device)
         totals = _AllReduceSum.apply(torch.cat([x.sum(dims), count]), group)
         n = totals[channels]
-        mean = totals[:channels] / n
+        # Where no rank has a row the sums are 0: divided by 1 rather than 0 the statistics stay
+        # finite (and the running ones are left as they are).
+        rows = n.clamp(min=1)
+        mean = totals[:channels] / rows
         view = [1, channels] + [1] * (input.dim() - 2)
         centred = x - mean.view(view)
         # Two passes (mean first) keep the variance exact where sum(x^2) - n*mean^2 would cancel.
-        var = _AllReduceSum.apply((centred * centred).sum(dims), group) / n
+        var = _AllReduceSum.apply((centred * centred).sum(dims), group) / rows
         if self.track_running_stats:
             self._update_running_stats(mean.detach(), var.detach(), n.detach())
         out = centred * torch.rsqrt(var + self.eps).view(view)
@@ -100,11 +112,13 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         # With track_running_stats (the caller's condition) the buffers exist; torch types them Optional.
         assert (self.num_batches_tracked is not None and self.running_mean is not None
                 and self.running_var is not None)
-        self.num_batches_tracked.add_(1)
+        self.num_batches_tracked.add_(1)  # also for an empty batch, as torch's BatchNorm counts it
         factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
-        unbiased = var * (n / (n - 1)) if n > 1 else var
-        self.running_mean.lerp_(mean.to(self.running_mean.dtype), factor)
-        self.running_var.lerp_(unbiased.to(self.running_var.dtype), factor)
+        # Decided on the device: no rows anywhere, no update (weight 0); one row, the biased variance.
+        weight = (n > 0).to(self.running_mean.dtype) * factor
+        unbiased = torch.where(n > 1, var * (n / (n - 1)), var)
+        self.running_mean.lerp_(mean.to(self.running_mean.dtype), weight)
+        self.running_var.lerp_(unbiased.to(self.running_var.dtype), weight.to(self.running_var.dtype))
 
 
 def convert_syncbn_model(module: nn.Module, process_group: dist.ProcessGroup | None = None,

@@ -13,7 +13,8 @@ class SkipCounts:
     ops per step, so the sync-free path never waits for the device. The host still has to notice
     a run that skips forever: on CPU it reads the counts through a numpy view of the same memory;
     on CUDA each step enqueues a non-blocking copy into pinned memory, read only once the copy has
-    finished (``Event.query`` never blocks), so it lags by a step.
+    finished (``Event.query`` never blocks), so it lags by a step. ``steps`` counts every step on the
+    host; when ``host_values`` answers, its counts are those of the last of these ``steps``.
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -29,12 +30,14 @@ class SkipCounts:
             self._host, self._event = self.counts, None
         self._host_view = self._host.numpy()
         self._pending = self._event is None
+        self.steps = 0
 
     def record(self, skipped: torch.Tensor) -> None:
         """Count one step; ``skipped`` is a 0-dim float32 device tensor, 1.0 for a skipped step."""
         torch._foreach_add_([self._total, self._in_a_row], [skipped, self._one])
         self._in_a_row.mul_(skipped)
         self.last_skipped = skipped
+        self.steps += 1
         if self._event is not None:
             self._host.copy_(self.counts, non_blocking=True)
             self._event.record()
@@ -47,6 +50,7 @@ class SkipCounts:
     def record_applied(self) -> None:
         """A step that had no overflow check (static scale, or no scale_loss since the last one)."""
         self.last_skipped = self._zero
+        self.steps += 1
 
     def host_values(self) -> tuple[int, int] | None:
         """``(skipped in all, skipped in a row)`` as ints, or None while the copy is in flight."""

@@ -72,7 +72,8 @@ class OptimizerController(ApexStashFields):
         self.found_inf_by_loss: dict[int, torch.Tensor] = {}
         self.skips = SkipCounts(_param_device(optimizer))
         self.reporter = OverflowReporter(max_consecutive_skips, context.verbosity, scalers=context.loss_scalers,
-                                         max_steps_at_scale_floor=context.max_steps_at_scale_floor)
+                                         max_steps_at_scale_floor=context.max_steps_at_scale_floor,
+                                         step_counts=self.skips)
         # Exact host counts, kept by the path that reads the flag anyway.
         self.host_total_skips = 0
         self.host_consecutive_skips = 0

@@ -15,7 +15,8 @@ from . import _fsdp, casting
 from ._amp_state import _amp_state
 from ._apex_compat import APEX_METHODS, warn_or_err
 from ._master_weights import LOW_PRECISION_DTYPES, check_trainable_dtype, convert_network
-from ._model_hooks import cast_forward, register_fp32_state_dict_hooks, to_type
+from ._model_hooks import (cast_forward, keep_run_hooks, register_fp32_state_dict_hooks, remove_run_hooks,
+                           to_type)
 from ._optimizer_wrappers import is_optimizer, is_optimizer_wrapper
 from ._controller.attach import attach_controller
 from .scaler import LossScaler
@@ -138,6 +139,8 @@ def _initialize(models, optimizers, context, num_losses, cast_model_outputs, sca
     loss_scalers = [LossScaler(options.loss_scale, **scaler_options) for _ in range(num_losses)]
 
     # Nothing below raises on user input: from here on, models and optimizers change.
+    for model in models:
+        remove_run_hooks(model)  # of an earlier initialize of the same model
     # Masters start from the exact fp32 values, taken before the model is cast.
     fp32_values = {}
     cast_type = options.cast_model_type
@@ -161,13 +164,13 @@ def _initialize(models, optimizers, context, num_losses, cast_model_outputs, sca
         input_caster = functools.partial(to_type, cast_type)
         output_caster = functools.partial(to_type, cast_model_outputs or torch.float32)
         for model in models:
-            cast_forward(model, input_caster, output_caster)
+            keep_run_hooks(model, cast_forward(model, input_caster, output_caster))
         for optimizer in optimizers:
             optimizer.load_state_dict(optimizer.state_dict())
     elif cast_model_outputs is not None:
         output_caster = functools.partial(to_type, cast_model_outputs)
         for model in models:
-            cast_forward(model, None, output_caster)
+            keep_run_hooks(model, cast_forward(model, None, output_caster))
 
     context.loss_scalers = loss_scalers
     context.track(models + optimizers)
@@ -176,7 +179,7 @@ def _initialize(models, optimizers, context, num_losses, cast_model_outputs, sca
 
     if cast_type in LOW_PRECISION_DTYPES and not context.sharded_masters:
         for model in models:
-            register_fp32_state_dict_hooks(model, optimizers)
+            keep_run_hooks(model, register_fp32_state_dict_hooks(model, optimizers))
 
     # An earlier O1/O4 run's patches stay installed: its models keep its casts in their forward.
     # Only a run still alive can be affected by the new policy outside every model.
@@ -184,7 +187,7 @@ def _initialize(models, optimizers, context, num_losses, cast_model_outputs, sca
     context.casting_policy = casting.use_run_policy(options, context.verbosity == 2,
                                                     earlier[-1].options.opt_level if earlier else None)
     for model in models:
-        casting.track_forward(model, context.casting_policy)
+        keep_run_hooks(model, casting.track_forward(model, context.casting_policy))
     _amp_state.publish(context)
 
     if optimizers_container is None:

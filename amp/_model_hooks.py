@@ -2,7 +2,8 @@
 
 Every hook is a module-level function bound with ``functools.partial`` (or a small picklable
 object), never a closure over the original model, so ``copy.deepcopy(model)`` gives an
-independent model and ``torch.save(model)`` can pickle it.
+independent model and ``torch.save(model)`` can pickle it. The model keeps the handles of its
+run's hooks (``keep_run_hooks``), so that initializing it again replaces them (``remove_run_hooks``).
 """
 import collections.abc
 import copy
@@ -50,6 +51,21 @@ def applier(value, fn):
     return value
 
 
+# The model attribute holding the handles of the hooks of the run that initialized it last.
+_RUN_HOOKS = "_amp_run_hooks"
+
+
+def remove_run_hooks(model):
+    """Remove the hooks an earlier ``amp.initialize`` registered on ``model``: it carries its live run's only."""
+    for handle in model.__dict__.pop(_RUN_HOOKS, ()):
+        handle.remove()
+
+
+def keep_run_hooks(model, handles):
+    """Remember the handles of hooks that this ``amp.initialize`` registered on ``model``."""
+    model.__dict__.setdefault(_RUN_HOOKS, []).extend(handles)
+
+
 def to_type(dtype, value):
     """Cast floating tensors to ``dtype``; objects with ``.to`` (custom batches) get ``.to(dtype)``."""
     if isinstance(value, torch.Tensor):
@@ -69,11 +85,14 @@ def cast_forward(model, input_caster, output_caster):
     """Cast the model's inputs with ``input_caster`` (unless None) and its output with ``output_caster``.
 
     The output is cast before any forward hook the user registered earlier sees it, as when the
-    cast happened inside ``forward``.
+    cast happened inside ``forward``. Returns the hooks' handles.
     """
+    handles = []
     if input_caster is not None:
-        model.register_forward_pre_hook(functools.partial(_cast_inputs, input_caster), with_kwargs=True)
-    model.register_forward_hook(functools.partial(_cast_output, output_caster), prepend=True)
+        handles.append(model.register_forward_pre_hook(functools.partial(_cast_inputs, input_caster),
+                                                       with_kwargs=True))
+    handles.append(model.register_forward_hook(functools.partial(_cast_output, output_caster), prepend=True))
+    return handles
 
 
 class _Masters:
@@ -127,8 +146,9 @@ def register_fp32_state_dict_hooks(model, optimizers):
     fp32 master, so a checkpoint keeps the full-precision values; loading one writes them back
     into the masters (the model copy is rounded by ``load_state_dict`` itself). Other
     low-precision entries are widened to fp32, as Apex did. Both work with the model inside a
-    wrapper (DDP, a parent module): the keys carry the wrapper's prefix both ways.
+    wrapper (DDP, a parent module): the keys carry the wrapper's prefix both ways. Returns the
+    hooks' handles.
     """
     masters = _Masters(optimizers)
-    register_state_dict_post_hook(model, functools.partial(_state_dict_to_fp32, masters))
-    register_load_state_dict_pre_hook(model, functools.partial(_load_masters, masters))
+    return [register_state_dict_post_hook(model, functools.partial(_state_dict_to_fp32, masters)),
+            register_load_state_dict_pre_hook(model, functools.partial(_load_masters, masters))]

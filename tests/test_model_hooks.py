@@ -7,7 +7,8 @@ import torch
 from torch import nn
 
 import amp
-from amp_common import MASTER_LEVELS, batch, initialized, loss_of, named_masters, net, train_step
+from amp_common import (MASTER_LEVELS, assert_identical, batch, initialized, loss_of, named_masters, net, sgd,
+                        train_step)
 
 
 @pytest.mark.parametrize("opt_level", MASTER_LEVELS)
@@ -130,3 +131,26 @@ def test_masters_stay_exact_fp32_when_nothing_else_wrote_the_model():
     model, optimizer = initialized("O2")
     frozen_step(model, optimizer)
     assert torch.equal(named_masters(model, optimizer)["fc1.weight"], reference["fc1.weight"])
+
+
+def hook_counts(model):
+    """How many hooks of each kind ``model`` carries."""
+    return [len(hooks) for hooks in (model._forward_pre_hooks, model._forward_hooks, model._state_dict_hooks,
+                                     model._load_state_dict_pre_hooks)]
+
+
+@pytest.mark.parametrize("levels", [["O1", "O2"], ["O1", "O1", "O1"], ["O1", "O1", "O5"]],
+                         ids=lambda levels: "_then_".join(levels))
+def test_a_model_initialized_again_carries_the_hooks_of_its_live_run_only(levels):
+    # Each initialize of the same model (a notebook cell run again) used to add its hooks to those
+    # of the earlier runs: O1 then O2 left 3 forward pre-hooks where a fresh O2 model has 2.
+    model = net()
+    for level in levels:
+        amp.deactivate()
+        model, optimizer = amp.initialize(model, sgd(model.parameters()), opt_level=level, verbosity=0)
+    fresh, fresh_optimizer = initialized(levels[-1])
+    assert hook_counts(model) == hook_counts(fresh)
+    for step in range(2):
+        train_step(model, optimizer, step)
+        train_step(fresh, fresh_optimizer, step)
+    assert_identical(model.state_dict(), fresh.state_dict())

@@ -25,6 +25,7 @@ from typing import Any, Iterator, Literal, Union
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from .._compat import is_compiling
 from ._cast import CastCache
@@ -153,10 +154,10 @@ def _exit_forward(module: nn.Module, args: tuple[Any, ...], output: Any) -> None
     current = _outer.pop()
 
 
-def track(model: nn.Module, policy: Policy | None) -> None:
-    """Run ``model``'s forward (its forward hooks included) under ``policy``."""
-    model.register_forward_pre_hook(functools.partial(_enter_forward, policy), prepend=True)
-    model.register_forward_hook(_exit_forward, always_call=True)
+def track(model: nn.Module, policy: Policy | None) -> list[RemovableHandle]:
+    """Run ``model``'s forward (its forward hooks included) under ``policy``; returns the hooks' handles."""
+    return [model.register_forward_pre_hook(functools.partial(_enter_forward, policy), prepend=True),
+            model.register_forward_hook(_exit_forward, always_call=True)]
 
 
 def disabled() -> Policy | None:

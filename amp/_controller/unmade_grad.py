@@ -27,16 +27,17 @@ class UnmadeGrad(torch.Tensor):
 
     @staticmethod
     def __new__(cls, master: torch.Tensor, name: str, optimizer_name: str) -> UnmadeGrad:
-        grad = torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
+        grad = torch.Tensor._make_wrapper_subclass(
             cls, master.shape, strides=master.stride(), dtype=master.dtype, device=master.device)
         grad.param_name, grad.optimizer_name = name, optimizer_name
         return grad
 
     # Every operation reaches __torch_dispatch__, none runs as a Python-level override first.
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (),  # type: ignore[override]
+                           kwargs: Any = None) -> Any:
         grad = next(leaf for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, cls))
         raise RuntimeError(
             f"The fp32 master of {grad.param_name} has no gradient to read ({func}): "

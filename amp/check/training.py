@@ -44,7 +44,9 @@ def _sgd(params: List[nn.Parameter]) -> torch.optim.Optimizer:
 
 
 def _fused_adam(params: List[nn.Parameter]) -> torch.optim.Optimizer:
-    return amp.optimizers.FusedAdam(params, lr=1e-3, weight_decay=1e-2)
+    # The kernel that reads the model's fp16 grads and unscales them itself; FusedSGD's check covers
+    # the one that reads fp32 master grads (both optimizers' default).
+    return amp.optimizers.FusedAdam(params, lr=1e-3, weight_decay=1e-2, materialize_master_grads=False)
 
 
 def _adamw(params: List[nn.Parameter]) -> torch.optim.Optimizer:

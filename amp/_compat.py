@@ -1,9 +1,12 @@
-"""Every private or version-dependent torch API amp relies on, probed once at import.
+"""Every private or version-dependent torch API amp relies on, probed once.
 
 amp calls the names bound here instead of reaching into torch, so this module is the one place
 that says what a torch upgrade may break. Each probe runs at import and binds a name to the
 torch function itself (no per-call cost), to a portable fallback, or to a stub that raises a
-clear error naming the missing API when amp first needs it.
+clear error naming the missing API when amp first needs it. The distributed probes are the
+exception: importing ``torch.distributed.tensor`` or FSDP costs half a second (sympy), which every
+worker process would pay, so they run at first use, and amp never imports those modules to
+recognise a ``DTensor`` or an FSDP unit: neither can exist before its module was imported.
 
 Probed and bound here:
 
@@ -24,10 +27,10 @@ Probed and bound here:
   :data:`LR_SCHEDULER_STEP_MARKS` / :func:`record_step_for_lr_scheduler`
 * ``torch.sparse_coo_tensor(..., is_coalesced=)`` -> :func:`coalesced_sparse_coo_tensor`
   (fallback: ``coalesce()``)
-* FSDP2: ``DTensor`` (``torch.distributed.tensor``; ``torch.distributed._tensor`` before 2.5)
-  -> :func:`local_tensor`; ``fully_shard``, ``FSDPModule`` and ``MixedPrecisionPolicy``
+* FSDP2, at first use: ``DTensor`` (``torch.distributed.tensor``; ``torch.distributed._tensor``
+  before 2.5) -> :func:`local_tensor`; ``fully_shard``, ``FSDPModule`` and ``MixedPrecisionPolicy``
   (``torch.distributed.fsdp``; ``torch.distributed._composable.fsdp`` before 2.6, where the
-  module class is ``FSDP``) -> :data:`FSDP2` (None without FSDP2); and the private per-module
+  module class is ``FSDP``) -> :func:`fsdp2` and :func:`loaded_fsdp2`; and the private per-module
   state that holds the mixed-precision policy (``_get_fsdp_state()._mp_policy``,
   ``._fsdp_param_group.mp_policy`` and its ``fsdp_params``' ``init_dtype_attrs``), used by
   ``amp._fsdp`` only
@@ -37,8 +40,10 @@ so a torch without them fails with one clear ``ImportError``): the ``torch._fore
 ``FOREACH_OPS``. Also used directly, being part of torch since 1.x: ``Tensor._version`` (the
 in-place counter), sparse ``Tensor._indices()`` / ``_values()``.
 """
+import functools
 import importlib
 import inspect
+import sys
 import warnings
 
 import torch
@@ -190,28 +195,39 @@ def _import_first(*names):
     return None
 
 
-def _probe_dtensor():
+# Where DTensor and FSDP2 live (the second name: before torch 2.5 / 2.6).
+_DTENSOR_MODULES = ("torch.distributed.tensor", "torch.distributed._tensor")
+_FSDP_MODULES = ("torch.distributed.fsdp", "torch.distributed._composable.fsdp")
+_dtensor_class = None
+
+
+def _loaded_dtensor_class():
     # torch < 2.5 has a torch.distributed.tensor package too, without DTensor in it.
-    for name in ("torch.distributed.tensor", "torch.distributed._tensor"):
-        found = getattr(_import_first(name), "DTensor", None)
+    for name in _DTENSOR_MODULES:
+        found = getattr(sys.modules.get(name), "DTensor", None)
         if found is not None:
             return found
     return None
 
 
-_DTensor = _probe_dtensor()
+def local_tensor(t):
+    """The local shard of a ``DTensor``; any other tensor itself."""
+    global _dtensor_class
+    if type(t) is torch.Tensor:  # the common case, a plain grad: no DTensor
+        return t
+    if _dtensor_class is None:
+        _dtensor_class = _loaded_dtensor_class()
+        if _dtensor_class is None:
+            return t
+    return t.to_local() if isinstance(t, _dtensor_class) else t
 
 
-def _local_tensor(t):
-    return t.to_local() if isinstance(t, _DTensor) else t
+@functools.lru_cache(maxsize=None)
+def fsdp2():
+    """``(fully_shard, FSDPModule, MixedPrecisionPolicy)``, or None where torch lacks FSDP2.
 
-
-def _identity(t):
-    return t
-
-
-def _probe_fsdp2():
-    """``(fully_shard, FSDPModule, MixedPrecisionPolicy)``, or None where torch lacks FSDP2."""
+    Imports FSDP at the first call; to recognise a model as FSDP2's, :func:`loaded_fsdp2` imports nothing.
+    """
     public = _import_first("torch.distributed.fsdp")
     if public is not None and hasattr(public, "fully_shard") and hasattr(public, "FSDPModule"):
         return public.fully_shard, public.FSDPModule, public.MixedPrecisionPolicy
@@ -220,6 +236,13 @@ def _probe_fsdp2():
         return None
     module_class = getattr(composable, "FSDPModule", None) or getattr(composable, "FSDP", None)
     return composable.fully_shard, module_class, composable.MixedPrecisionPolicy
+
+
+def loaded_fsdp2():
+    """:func:`fsdp2` once a program imported FSDP, else None: before that no model is an FSDP2 unit."""
+    if not any(name in sys.modules for name in _FSDP_MODULES):
+        return None
+    return fsdp2()
 
 
 _require_foreach_ops()
@@ -239,7 +262,3 @@ register_state_dict_post_hook = _probe_state_dict_post_hook()
 register_load_state_dict_pre_hook = _probe_load_state_dict_pre_hook()
 #: ``(indices, values, size)``: a sparse COO tensor the caller knows to be coalesced.
 coalesced_sparse_coo_tensor = _probe_sparse_coo_is_coalesced()
-#: ``(tensor)``: the local shard of a ``DTensor``; any other tensor itself.
-local_tensor = _local_tensor if _DTensor is not None else _identity
-#: ``(fully_shard, FSDPModule, MixedPrecisionPolicy)``, or None where torch has no FSDP2.
-FSDP2 = _probe_fsdp2()

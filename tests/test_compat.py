@@ -116,6 +116,13 @@ def test_missing_is_compiling_means_not_compiling(monkeypatch):
     assert _compat._probe_is_compiling()() is False
 
 
+def test_a_plain_tensor_is_its_own_local_tensor():
+    t = torch.ones(2)
+    assert _compat.local_tensor(t) is t
+    param = torch.nn.Parameter(t)
+    assert _compat.local_tensor(param) is param
+
+
 def test_sparse_coo_without_is_coalesced_falls_back(monkeypatch):
     real = torch.sparse_coo_tensor
 
@@ -150,3 +157,19 @@ def test_importing_amp_draws_no_random_numbers():
     env = dict(os.environ, PYTHONPATH=str(REPO))
     result = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.slow
+def test_importing_amp_and_an_inference_forward_load_no_distributed_tensor_fsdp_or_compiler():
+    # They cost half a second (sympy) and a second (torch._dynamo) in every process that imports
+    # amp; amp probes DTensor and FSDP2 at first use, and recognises their objects without
+    # importing them. (A torch.optim optimizer imports all of them when it is built.)
+    script = ("import sys, torch; import amp, amp.optimizers, amp.parallel, fp16_utils; "
+              "model = amp.initialize(torch.nn.Linear(2, 2), opt_level='O2', verbosity=0); "
+              "model(torch.ones(1, 2)); "
+              "print(sorted(name for name in ('sympy', 'torch.distributed.tensor', 'torch.distributed.fsdp', "
+              "'torch._dynamo') if name in sys.modules))")
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"

@@ -16,6 +16,8 @@ Probed and bound here:
 * the fused optimizers' ``grad_scale``/``found_inf`` contract (``_step_supports_amp_scaling``)
   -> :func:`optimizer_accepts_found_inf` (fallback: never, so the flag is read on the host)
 * ``torch.compiler.is_compiling`` -> :func:`is_compiling` (fallback: never compiling)
+* ``torch._disable_dynamo`` (``torch.compiler.disable`` that imports ``torch._dynamo`` at the
+  first call, not at ``import amp``) -> :func:`eager_under_compile` (fallback: traced like any code)
 * ``torch.nn.modules.rnn._VF``, ``RNNBase.check_input`` and ``RNNBase._flat_weights`` ->
   :func:`rnn_module`
 * ``nn.Module.register_state_dict_post_hook`` / ``register_load_state_dict_pre_hook`` ->
@@ -110,6 +112,15 @@ def _not_compiling():
 def _probe_is_compiling():
     compiler = getattr(torch, "compiler", None)
     return getattr(compiler, "is_compiling", None) or _not_compiling
+
+
+def _traced_anyway(fn=None, recursive=True):
+    """``torch._disable_dynamo``'s signature, changing nothing: torch.compile traces ``fn`` as it can."""
+    return fn if fn is not None else functools.partial(_traced_anyway, recursive=recursive)
+
+
+def _probe_eager_under_compile():
+    return getattr(torch, "_disable_dynamo", None) or _traced_anyway
 
 
 def _probe_rnn_internals():
@@ -254,6 +265,10 @@ foreach_norm = _probe_foreach_norm()
 optimizer_accepts_found_inf = _probe_found_inf_contract()
 #: ``()``: whether torch.compile is tracing the caller.
 is_compiling = _probe_is_compiling()
+#: ``(fn, recursive=True)``, a decorator: torch.compile does not trace ``fn`` but runs it as it is
+#: (a compiled caller breaks its graph there); with ``recursive=False`` the functions ``fn`` calls
+#: are still compiled.
+eager_under_compile = _probe_eager_under_compile()
 #: ``()``: ``torch.nn.modules.rnn``, whose ``_VF`` and ``RNNBase.check_input`` O1/O4 patch.
 rnn_module = _probe_rnn_internals()
 #: ``(module, hook)``: ``hook(module, state_dict, prefix, local_metadata)`` after ``state_dict``.

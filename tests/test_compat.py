@@ -23,6 +23,7 @@ def test_probes_bind_torch_itself():
     else:
         assert _compat.foreach_norm is torch._foreach_norm
     assert _compat.is_compiling is torch.compiler.is_compiling
+    assert _compat.eager_under_compile is torch._disable_dynamo
     assert _compat.rnn_module() is torch.nn.modules.rnn
     if hasattr(torch.nn.Module, "register_state_dict_post_hook"):  # torch >= 2.5
         assert (_compat.register_state_dict_post_hook
@@ -114,6 +115,16 @@ def test_missing_found_inf_contract_reads_flag_on_host(monkeypatch):
 def test_missing_is_compiling_means_not_compiling(monkeypatch):
     monkeypatch.delattr(torch.compiler, "is_compiling")
     assert _compat._probe_is_compiling()() is False
+
+
+def test_without_disable_dynamo_torch_compile_traces_amp_as_any_code(monkeypatch):
+    monkeypatch.delattr(torch, "_disable_dynamo")
+    eager_under_compile = _compat._probe_eager_under_compile()
+
+    def fn():
+        return 1
+
+    assert eager_under_compile(fn) is fn and eager_under_compile(recursive=False)(fn) is fn
 
 
 def test_a_plain_tensor_is_its_own_local_tensor():

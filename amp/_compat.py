@@ -16,6 +16,9 @@ Probed and bound here:
 * the fused optimizers' ``grad_scale``/``found_inf`` contract (``_step_supports_amp_scaling``)
   -> :func:`optimizer_accepts_found_inf` (fallback: never, so the flag is read on the host)
 * ``torch.compiler.is_compiling`` -> :func:`is_compiling` (fallback: never compiling)
+* ``torch._C._is_any_autocast_enabled`` -> :func:`any_autocast_enabled` (fallback, before torch
+  2.4: ``torch.is_autocast_enabled()`` or ``torch.is_autocast_cpu_enabled()``, the device types
+  that had autocast then)
 * ``torch._disable_dynamo`` (``torch.compiler.disable`` that imports ``torch._dynamo`` at the
   first call, not at ``import amp``) -> :func:`eager_under_compile` (fallback: traced like any code)
 * ``torch.nn.modules.rnn._VF``, ``RNNBase.check_input`` and ``RNNBase._flat_weights`` ->
@@ -112,6 +115,14 @@ def _not_compiling():
 def _probe_is_compiling():
     compiler = getattr(torch, "compiler", None)
     return getattr(compiler, "is_compiling", None) or _not_compiling
+
+
+def _autocast_on_cuda_or_cpu():
+    return torch.is_autocast_enabled() or torch.is_autocast_cpu_enabled()
+
+
+def _probe_any_autocast_enabled():
+    return getattr(torch._C, "_is_any_autocast_enabled", None) or _autocast_on_cuda_or_cpu
 
 
 def _traced_anyway(fn=None, recursive=True):
@@ -265,6 +276,8 @@ foreach_norm = _probe_foreach_norm()
 optimizer_accepts_found_inf = _probe_found_inf_contract()
 #: ``()``: whether torch.compile is tracing the caller.
 is_compiling = _probe_is_compiling()
+#: ``()``: whether ``torch.autocast`` is on for any device type (torch.compile folds it to a constant).
+any_autocast_enabled = _probe_any_autocast_enabled()
 #: ``(fn, recursive=True)``, a decorator: torch.compile does not trace ``fn`` but runs it as it is
 #: (a compiled caller breaks its graph there); with ``recursive=False`` the functions ``fn`` calls
 #: are still compiled.

@@ -15,7 +15,7 @@ from . import _fsdp, casting
 from ._amp_state import _amp_state
 from ._apex_compat import APEX_METHODS, warn_or_err
 from ._master_weights import LOW_PRECISION_DTYPES, check_trainable_dtype, convert_network
-from ._model_hooks import cast_forward, register_fp32_state_dict_hooks, to_type
+from ._model_hooks import cast_forward, check_autocast, register_fp32_state_dict_hooks, to_type
 from ._optimizer_wrappers import is_optimizer, is_optimizer_wrapper
 from ._controller.attach import attach_controller
 from .scaler import LossScaler
@@ -185,6 +185,7 @@ def _initialize(models, optimizers, context, num_losses, cast_model_outputs, sca
                                                     earlier[-1].options.opt_level if earlier else None)
     for model in models:
         casting.track_forward(model, context.casting_policy)
+    check_autocast(models, options)
     _amp_state.publish(context)
 
     if optimizers_container is None:

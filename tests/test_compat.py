@@ -24,6 +24,10 @@ def test_probes_bind_torch_itself():
         assert _compat.foreach_norm is torch._foreach_norm
     assert _compat.is_compiling is torch.compiler.is_compiling
     assert _compat.eager_under_compile is torch._disable_dynamo
+    if hasattr(torch._C, "_is_any_autocast_enabled"):  # torch >= 2.4
+        assert _compat.any_autocast_enabled is torch._C._is_any_autocast_enabled
+    else:
+        assert _compat.any_autocast_enabled is _compat._autocast_on_cuda_or_cpu
     assert _compat.rnn_module() is torch.nn.modules.rnn
     if hasattr(torch.nn.Module, "register_state_dict_post_hook"):  # torch >= 2.5
         assert (_compat.register_state_dict_post_hook
@@ -125,6 +129,15 @@ def test_without_disable_dynamo_torch_compile_traces_amp_as_any_code(monkeypatch
         return 1
 
     assert eager_under_compile(fn) is fn and eager_under_compile(recursive=False)(fn) is fn
+
+
+@pytest.mark.filterwarnings("ignore:torch.is_autocast_cpu_enabled:DeprecationWarning")
+def test_autocast_is_seen_on_cuda_and_the_cpu_before_torch_asks_every_device(monkeypatch):
+    monkeypatch.delattr(torch._C, "_is_any_autocast_enabled", raising=False)
+    any_autocast_enabled = _compat._probe_any_autocast_enabled()
+    assert any_autocast_enabled() is False
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert any_autocast_enabled() is True
 
 
 def test_a_plain_tensor_is_its_own_local_tensor():

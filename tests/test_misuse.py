@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import amp
-from amp_common import assert_identical, batch, initialized, loss_of, net, sgd, snapshot, train_step
+from amp_common import LEVELS, assert_identical, batch, initialized, loss_of, net, sgd, snapshot, train_step
 
 
 def _grads(optimizer):
@@ -109,3 +109,28 @@ def test_o2_step_without_scale_loss_warns_once():
         warnings.simplefilter("error")
         optimizer.step()
         train_step(model, optimizer, 1)
+
+
+@pytest.mark.parametrize("opt_level", LEVELS)
+def test_an_amp_forward_inside_torch_autocast_warns_once_at_the_users_line(opt_level):
+    model = amp.initialize(torch.nn.Linear(4, 2), opt_level=opt_level, verbosity=0)
+    with pytest.warns(UserWarning, match="runs inside torch.autocast, which overrides") as caught:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(batch(0))
+            model(batch(1))
+    warned = [w for w in caught if "torch.autocast" in str(w.message)]
+    assert len(warned) == 1 and warned[0].filename == __file__
+    assert f"opt_level='{opt_level}'" in str(warned[0].message)
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2", "O5"])
+def test_an_amp_forward_without_autocast_or_inside_disable_casts_does_not_warn(opt_level):
+    model, optimizer = initialized(opt_level)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        train_step(model, optimizer, 0)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=False):
+            model(batch(1))
+        with amp.disable_casts(), torch.autocast("cpu", dtype=torch.bfloat16):
+            model(batch(2))
+

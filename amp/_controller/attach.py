@@ -35,7 +35,9 @@ def _amp_zero_grad(optimizer: Any, set_to_none: bool = True) -> None:
 
     Run as it is under ``torch.compile``, as torch's own ``zero_grad``.
     """
-    optimizer._amp_stash.weights.zero_grad(set_to_none)
+    stash = optimizer._amp_stash
+    stash.weights.zero_grad(set_to_none)
+    stash.grads_at_exit.forget()
 
 
 def attach_controller(optimizer: Any, context: AmpContext, param_names: dict[torch.Tensor, str],

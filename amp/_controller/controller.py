@@ -21,8 +21,10 @@ import torch
 from .. import casting
 from .._apex_compat import ApexStashFields
 from .._compat import eager_under_compile, optimizer_accepts_found_inf, record_step_for_lr_scheduler
+from .._logging import warn_at_caller
 from .._overflow_report import OverflowReporter, non_finite_grad_names
 from .._skip_counts import SkipCounts
+from .grads import GradsAtExit
 from .param_groups import validated_param_group
 from .phase import Phase, combine_flags
 from .weights import Weights
@@ -88,6 +90,9 @@ class OptimizerController(ApexStashFields):
         # loss_id -> overflow flag (device tensor) of the backward passes since the last step.
         self.found_inf_by_loss: dict[int, torch.Tensor] = {}
         self.skips = SkipCounts(_param_device(optimizer))
+        # Under master weights: the model's grads as the last scale_loss block left them.
+        self.grads_at_exit = GradsAtExit()
+        self._warned_grads_written = False
         self.reporter = OverflowReporter(max_consecutive_skips, context.verbosity, scalers=context.loss_scalers,
                                          max_steps_at_scale_floor=context.max_steps_at_scale_floor)
         # Exact host counts, kept by the path that reads the flag anyway.
@@ -166,6 +171,8 @@ class OptimizerController(ApexStashFields):
         else:
             self.phase = Phase.UNSCALED
             self.unscale_grads(unscaler)
+            if self.master_weights:
+                self.grads_at_exit.note(self.weights.low_params)
 
     def abort_backward(self) -> None:
         """Leave the block without unscaling: grads set aside come back, the phase is as before."""
@@ -174,6 +181,8 @@ class OptimizerController(ApexStashFields):
         if self._grads_set_aside:
             self.weights.restore_grads()
         self.phase = self._phase_before_backward
+        if self.master_weights:
+            self.grads_at_exit.note(self.weights.low_params)  # as amp put them back
 
     def note_found_inf(self, loss_id: int, found_inf: torch.Tensor) -> None:
         """Keep ``loss_id``'s overflow flag for the next step (the max over its backward passes)."""
@@ -220,6 +229,7 @@ class OptimizerController(ApexStashFields):
         (sync-free), or the host reads the flags once and a non-finite step never reaches it."""
         self.weights.check_step(closure, self.phase)
         self._check_phase_for_step()
+        self._check_model_grads_unchanged()
         self.phase = Phase.READY
         self.weights.before_step()
         flags_by_loss, self.found_inf_by_loss = self.found_inf_by_loss, {}
@@ -237,6 +247,24 @@ class OptimizerController(ApexStashFields):
             step.casts_off.close()
             raise
         return step
+
+    def _check_model_grads_unchanged(self) -> None:
+        """Warn (once) of the model's low-precision grads written after the last scale_loss exit."""
+        if self.master_weights and self.grads_at_exit.changed(self.weights.low_params) \
+                and not self._warned_grads_written:
+            self._warned_grads_written = True
+            level = self.context.options.opt_level
+            warn_at_caller(
+                f"amp: the model's low-precision gradients were changed after amp.scale_loss exited "
+                "(torch.nn.utils.clip_grad_norm_(model.parameters(), ...)? p.grad = ...?). Under "
+                f"{level} the step is taken on the fp32 master weights, whose gradients amp unscaled "
+                "from the model's at the block's exit, and the model's gradients still carry the loss "
+                "scale (a norm computed from them is the scaled one): the change does nothing to the "
+                "step, or with an amp.optimizers optimizer scales it by a factor computed from scaled "
+                "gradients. Clip or change the masters' gradients instead: "
+                "torch.nn.utils.clip_grad_norm_(amp.master_params(optimizer), max_norm). (Warned once "
+                "per optimizer.)")
+        self.grads_at_exit.forget()
 
     def _hand_over_found_inf(self, step: _Step, found_inf: torch.Tensor) -> None:
         """Sync-free: the optimizer itself skips on ``found_inf`` (device-side); the masters are

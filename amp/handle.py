@@ -3,6 +3,7 @@
 This module checks the arguments and finds the ``amp.initialize`` run the optimizers belong to;
 the block itself is run by the optimizers' controllers (``_controller.block``), whose loss scaler
 does the numbers (``scaler.py``) with the multi-tensor kernels (``multi_tensor_apply.py``).
+``torch.compile`` does not trace the block's entry and exit (``_UntracedBlock``).
 """
 from __future__ import annotations
 
@@ -124,6 +125,10 @@ def scale_loss(loss: torch.Tensor, optimizers: OptimizerLike | Sequence[Optimize
     parameter shared by two optimizers, optimizers of different ``initialize`` calls, a block
     whose dynamic loss scaler is held by a block open in another thread (give each thread its
     own ``loss_id``, or its own ``initialize`` call).
+
+    In a step compiled whole with ``torch.compile`` the block's entry and exit run eagerly, as
+    ``torch.amp.GradScaler``'s work does: the graph breaks at the block (autograd runs the backward
+    inside it), and amp's checks and bits are eager amp's.
     """
     return _UntracedBlock(_scale_loss_block(loss, optimizers, loss_id, delay_unscale, delay_overflow_check))
 

@@ -9,7 +9,13 @@ raises from here with what to do), the overflow flags that the block notes, and 
 with an optimizer that accepts ``found_inf`` (torch's ``fused=True`` Adam, AdamW, SGD, Adagrad)
 the flag goes to the optimizer and the host never reads it; otherwise the flag is read once and a
 non-finite step is skipped without calling the optimizer at all. Either way a skipped step leaves
-parameters, optimizer state and step counters untouched.
+parameters, optimizer state and step counters untouched. amp's part comes before
+(``_begin_step``) and after (``_end_step``) the optimizer's own step: ``torch.compile`` runs those
+eagerly and compiles only the optimizer's step, as with ``torch.amp.GradScaler.step``.
+
+Under master weights the step also notices the model's low-precision grads written after the
+last ``scale_loss`` exit (clipping ``model.parameters()``, the GradScaler habit, which the step
+never sees) and says, once, to clip ``amp.master_params(optimizer)`` instead.
 """
 from __future__ import annotations
 

@@ -6,8 +6,10 @@ in ``options.py``) hands models and optimizers to ``_initialize.py``, which make
 the O1/O4 casts (``casting/``). ``amp.scale_loss`` (``handle.py``) checks its arguments and runs
 the block through the optimizers' controllers (``_controller/block.py``), whose scaler unscales
 the grads with the multi-tensor kernels (``multi_tensor_apply.py``). ``optimizer.step()`` is the
-controller's step, applied or skipped. Apex's names that amp's own code does not use live in
-``_apex_compat.py``.
+controller's step, applied or skipped. Under ``torch.compile`` the block's entry and exit and the
+controller's part of the step run eagerly (``_compat.eager_under_compile``), as GradScaler's
+do: the models' forward (with amp's hooks) and the optimizer's own step are what is compiled.
+Apex's names that amp's own code does not use live in ``_apex_compat.py``.
 """
 from . import multi_tensor_apply, optimizers
 from ._amp_state import _amp_state

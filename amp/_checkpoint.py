@@ -80,7 +80,10 @@ def _mismatch(state, runs, why):
         f"holds {_describe_saved(state)}. Live amp.initialize runs, in call order: "
         f"{_describe_live(runs)}. Initialize the same runs (opt level, num_losses, loss_scale) in "
         "the same order as the saved process, drop the objects of runs you no longer train, or "
-        "load one run's entry with amp.load_state_dict(entry, optimizer=that_runs_optimizer).")
+        "load one run's entry with amp.load_state_dict(entry, optimizer=that_runs_optimizer). If "
+        "you changed the opt level on purpose (O2 to O5, the usual remedy for fp16 overflows: bf16 "
+        "has no loss scaler state to restore), skip amp.load_state_dict: model.load_state_dict and "
+        "optimizer.load_state_dict restore the weights and the optimizer state.")
 
 
 def _check_run(entry, context, state, runs, name):

@@ -1,9 +1,12 @@
-"""Every private or version-dependent torch API amp relies on, probed once at import.
+"""Every private or version-dependent torch API amp relies on, probed once.
 
 amp calls the names bound here instead of reaching into torch, so this module is the one place
 that says what a torch upgrade may break. Each probe runs at import and binds a name to the
 torch function itself (no per-call cost), to a portable fallback, or to a stub that raises a
-clear error naming the missing API when amp first needs it.
+clear error naming the missing API when amp first needs it. The distributed probes are the
+exception: importing ``torch.distributed.tensor`` or FSDP costs half a second (sympy), which every
+worker process would pay, so they run at first use, and amp never imports those modules to
+recognise a ``DTensor`` or an FSDP unit: neither can exist before its module was imported.
 
 Probed and bound here:
 
@@ -13,6 +16,11 @@ Probed and bound here:
 * the fused optimizers' ``grad_scale``/``found_inf`` contract (``_step_supports_amp_scaling``)
   -> :func:`optimizer_accepts_found_inf` (fallback: never, so the flag is read on the host)
 * ``torch.compiler.is_compiling`` -> :func:`is_compiling` (fallback: never compiling)
+* ``torch._C._is_any_autocast_enabled`` -> :func:`any_autocast_enabled` (fallback, before torch
+  2.4: ``torch.is_autocast_enabled()`` or ``torch.is_autocast_cpu_enabled()``, the device types
+  that had autocast then)
+* ``torch._disable_dynamo`` (``torch.compiler.disable`` that imports ``torch._dynamo`` at the
+  first call, not at ``import amp``) -> :func:`eager_under_compile` (fallback: traced like any code)
 * ``torch.nn.modules.rnn._VF``, ``RNNBase.check_input`` and ``RNNBase._flat_weights`` ->
   :func:`rnn_module`
 * ``nn.Module.register_state_dict_post_hook`` / ``register_load_state_dict_pre_hook`` ->
@@ -24,10 +32,10 @@ Probed and bound here:
   :data:`LR_SCHEDULER_STEP_MARKS` / :func:`record_step_for_lr_scheduler`
 * ``torch.sparse_coo_tensor(..., is_coalesced=)`` -> :func:`coalesced_sparse_coo_tensor`
   (fallback: ``coalesce()``)
-* FSDP2: ``DTensor`` (``torch.distributed.tensor``; ``torch.distributed._tensor`` before 2.5)
-  -> :func:`local_tensor`; ``fully_shard``, ``FSDPModule`` and ``MixedPrecisionPolicy``
+* FSDP2, at first use: ``DTensor`` (``torch.distributed.tensor``; ``torch.distributed._tensor``
+  before 2.5) -> :func:`local_tensor`; ``fully_shard``, ``FSDPModule`` and ``MixedPrecisionPolicy``
   (``torch.distributed.fsdp``; ``torch.distributed._composable.fsdp`` before 2.6, where the
-  module class is ``FSDP``) -> :data:`FSDP2` (None without FSDP2); and the private per-module
+  module class is ``FSDP``) -> :func:`fsdp2` and :func:`loaded_fsdp2`; and the private per-module
   state that holds the mixed-precision policy (``_get_fsdp_state()._mp_policy``,
   ``._fsdp_param_group.mp_policy`` and its ``fsdp_params``' ``init_dtype_attrs``), used by
   ``amp._fsdp`` only
@@ -37,8 +45,10 @@ so a torch without them fails with one clear ``ImportError``): the ``torch._fore
 ``FOREACH_OPS``. Also used directly, being part of torch since 1.x: ``Tensor._version`` (the
 in-place counter), sparse ``Tensor._indices()`` / ``_values()``.
 """
+import functools
 import importlib
 import inspect
+import sys
 import warnings
 
 import torch
@@ -105,6 +115,23 @@ def _not_compiling():
 def _probe_is_compiling():
     compiler = getattr(torch, "compiler", None)
     return getattr(compiler, "is_compiling", None) or _not_compiling
+
+
+def _autocast_on_cuda_or_cpu():
+    return torch.is_autocast_enabled() or torch.is_autocast_cpu_enabled()
+
+
+def _probe_any_autocast_enabled():
+    return getattr(torch._C, "_is_any_autocast_enabled", None) or _autocast_on_cuda_or_cpu
+
+
+def _traced_anyway(fn=None, recursive=True):
+    """``torch._disable_dynamo``'s signature, changing nothing: torch.compile traces ``fn`` as it can."""
+    return fn if fn is not None else functools.partial(_traced_anyway, recursive=recursive)
+
+
+def _probe_eager_under_compile():
+    return getattr(torch, "_disable_dynamo", None) or _traced_anyway
 
 
 def _probe_rnn_internals():
@@ -190,28 +217,39 @@ def _import_first(*names):
     return None
 
 
-def _probe_dtensor():
+# Where DTensor and FSDP2 live (the second name: before torch 2.5 / 2.6).
+_DTENSOR_MODULES = ("torch.distributed.tensor", "torch.distributed._tensor")
+_FSDP_MODULES = ("torch.distributed.fsdp", "torch.distributed._composable.fsdp")
+_dtensor_class = None
+
+
+def _loaded_dtensor_class():
     # torch < 2.5 has a torch.distributed.tensor package too, without DTensor in it.
-    for name in ("torch.distributed.tensor", "torch.distributed._tensor"):
-        found = getattr(_import_first(name), "DTensor", None)
+    for name in _DTENSOR_MODULES:
+        found = getattr(sys.modules.get(name), "DTensor", None)
         if found is not None:
             return found
     return None
 
 
-_DTensor = _probe_dtensor()
+def local_tensor(t):
+    """The local shard of a ``DTensor``; any other tensor itself."""
+    global _dtensor_class
+    if type(t) is torch.Tensor:  # the common case, a plain grad: no DTensor
+        return t
+    if _dtensor_class is None:
+        _dtensor_class = _loaded_dtensor_class()
+        if _dtensor_class is None:
+            return t
+    return t.to_local() if isinstance(t, _dtensor_class) else t
 
 
-def _local_tensor(t):
-    return t.to_local() if isinstance(t, _DTensor) else t
+@functools.lru_cache(maxsize=None)
+def fsdp2():
+    """``(fully_shard, FSDPModule, MixedPrecisionPolicy)``, or None where torch lacks FSDP2.
 
-
-def _identity(t):
-    return t
-
-
-def _probe_fsdp2():
-    """``(fully_shard, FSDPModule, MixedPrecisionPolicy)``, or None where torch lacks FSDP2."""
+    Imports FSDP at the first call; to recognise a model as FSDP2's, :func:`loaded_fsdp2` imports nothing.
+    """
     public = _import_first("torch.distributed.fsdp")
     if public is not None and hasattr(public, "fully_shard") and hasattr(public, "FSDPModule"):
         return public.fully_shard, public.FSDPModule, public.MixedPrecisionPolicy
@@ -220,6 +258,13 @@ def _probe_fsdp2():
         return None
     module_class = getattr(composable, "FSDPModule", None) or getattr(composable, "FSDP", None)
     return composable.fully_shard, module_class, composable.MixedPrecisionPolicy
+
+
+def loaded_fsdp2():
+    """:func:`fsdp2` once a program imported FSDP, else None: before that no model is an FSDP2 unit."""
+    if not any(name in sys.modules for name in _FSDP_MODULES):
+        return None
+    return fsdp2()
 
 
 _require_foreach_ops()
@@ -231,6 +276,12 @@ foreach_norm = _probe_foreach_norm()
 optimizer_accepts_found_inf = _probe_found_inf_contract()
 #: ``()``: whether torch.compile is tracing the caller.
 is_compiling = _probe_is_compiling()
+#: ``()``: whether ``torch.autocast`` is on for any device type (torch.compile folds it to a constant).
+any_autocast_enabled = _probe_any_autocast_enabled()
+#: ``(fn, recursive=True)``, a decorator: torch.compile does not trace ``fn`` but runs it as it is
+#: (a compiled caller breaks its graph there); with ``recursive=False`` the functions ``fn`` calls
+#: are still compiled.
+eager_under_compile = _probe_eager_under_compile()
 #: ``()``: ``torch.nn.modules.rnn``, whose ``_VF`` and ``RNNBase.check_input`` O1/O4 patch.
 rnn_module = _probe_rnn_internals()
 #: ``(module, hook)``: ``hook(module, state_dict, prefix, local_metadata)`` after ``state_dict``.
@@ -239,7 +290,3 @@ register_state_dict_post_hook = _probe_state_dict_post_hook()
 register_load_state_dict_pre_hook = _probe_load_state_dict_pre_hook()
 #: ``(indices, values, size)``: a sparse COO tensor the caller knows to be coalesced.
 coalesced_sparse_coo_tensor = _probe_sparse_coo_is_coalesced()
-#: ``(tensor)``: the local shard of a ``DTensor``; any other tensor itself.
-local_tensor = _local_tensor if _DTensor is not None else _identity
-#: ``(fully_shard, FSDPModule, MixedPrecisionPolicy)``, or None where torch has no FSDP2.
-FSDP2 = _probe_fsdp2()

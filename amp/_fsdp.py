@@ -16,12 +16,13 @@ parameters, then ``amp.initialize``. What each level becomes:
 The overflow flag is all-reduced (MAX) over the mesh's process group unless
 ``overflow_process_group`` was given, so a step is skipped on every rank or on none.
 """
+import sys
 import weakref
 
 import torch
 from torch import nn
 
-from ._compat import FSDP2
+from ._compat import fsdp2, loaded_fsdp2
 from ._master_weights import LOW_PRECISION_DTYPES
 
 __all__ = []
@@ -31,15 +32,14 @@ _HOW_TO_ORDER = ("Call fully_shard on the model (its units, then the root) first
 
 
 def _is_fsdp2(module):
-    return FSDP2 is not None and isinstance(module, FSDP2[1])
+    found = loaded_fsdp2()
+    return found is not None and isinstance(module, found[1])
 
 
 def _is_fsdp1(module):
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-    except ImportError:
-        return False
-    return isinstance(module, FullyShardedDataParallel)
+    # Like FSDP2's, an FSDP1 model exists only once its module was imported: amp does not import it.
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp is not None and isinstance(module, fsdp.FullyShardedDataParallel)
 
 
 def _units(model):
@@ -65,7 +65,7 @@ def _direct_params(modules):
 
 def _policy_for(unit, managed, dtype, keep_batchnorm_fp32):
     """The policy amp gives ``unit``: ``dtype`` compute, fp32 reduction; BN-only units stay fp32."""
-    policy_class = FSDP2[2]
+    policy_class = fsdp2()[2]
     current = unit._get_fsdp_state()._mp_policy
     params = _direct_params(managed)
     batchnorm = [m for m in managed if isinstance(m, nn.modules.batchnorm._BatchNorm)

@@ -15,8 +15,8 @@ from . import _fsdp, casting
 from ._amp_state import _amp_state
 from ._apex_compat import APEX_METHODS, warn_or_err
 from ._master_weights import LOW_PRECISION_DTYPES, check_trainable_dtype, convert_network
-from ._model_hooks import (cast_forward, keep_run_hooks, register_fp32_state_dict_hooks, remove_run_hooks,
-                           to_type)
+from ._model_hooks import (cast_forward, check_autocast, keep_run_hooks, register_fp32_state_dict_hooks,
+                           remove_run_hooks, to_type)
 from ._optimizer_wrappers import is_optimizer, is_optimizer_wrapper
 from ._controller.attach import attach_controller
 from .scaler import LossScaler
@@ -124,6 +124,28 @@ def _check_param_dtypes(param_names, optimizers):
         check_trainable_dtype(param, name)
 
 
+def _cast_model(model, cast_type, keep_batchnorm_fp32):
+    """Cast the model's floating params and buffers to ``cast_type``, affine batch norm kept fp32 with
+    ``keep_batchnorm_fp32``, and float64 buffers kept as they are.
+
+    A float64 buffer was made so on purpose (a RoPE table whose steps of 1e-10 fp16 would round to
+    nothing, a running sum), and a model that mixes it with fp32 activations already casts it
+    where it is used; rounding it here would lose precision silently. (float64 params are refused.)
+    """
+    float64 = [(module, name, buffer) for module in model.modules()
+               for name, buffer in module.named_buffers(recurse=False) if buffer.dtype == torch.float64]
+    for module, name, _ in float64:
+        setattr(module, name, None)  # hidden from the cast
+    try:
+        if keep_batchnorm_fp32:
+            convert_network(model, cast_type)
+        else:
+            model.to(cast_type)
+    finally:
+        for module, name, buffer in float64:
+            setattr(module, name, buffer)
+
+
 def _initialize(models, optimizers, context, num_losses, cast_model_outputs, scaler_options,
                 max_consecutive_skips):
     """Check everything, then change models and optimizers; a call that raises changes nothing."""
@@ -155,12 +177,8 @@ def _initialize(models, optimizers, context, num_losses, cast_model_outputs, sca
 
     if cast_type:
         for model in models:
-            if context.sharded_masters:
-                pass  # FSDP2 casts the gathered params by the policy amp set
-            elif options.keep_batchnorm_fp32:
-                convert_network(model, cast_type)
-            else:
-                model.to(cast_type)
+            if not context.sharded_masters:  # else FSDP2 casts the gathered params by the policy amp set
+                _cast_model(model, cast_type, options.keep_batchnorm_fp32)
         input_caster = functools.partial(to_type, cast_type)
         output_caster = functools.partial(to_type, cast_model_outputs or torch.float32)
         for model in models:
@@ -188,6 +206,7 @@ def _initialize(models, optimizers, context, num_losses, cast_model_outputs, sca
                                                     earlier[-1].options.opt_level if earlier else None)
     for model in models:
         keep_run_hooks(model, casting.track_forward(model, context.casting_policy))
+    check_autocast(models, options)
     _amp_state.publish(context)
 
     if optimizers_container is None:

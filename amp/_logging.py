@@ -1,17 +1,27 @@
-"""amp's diagnostics: the ``amp`` logger, the rank-zero test, and ``maybe_print``.
+"""amp's diagnostics: the ``amp`` logger, the rank-zero test, ``maybe_print`` and ``warn_at_caller``.
 
 Everything amp reports goes through ``logging.getLogger("amp")`` (configuration at INFO, skipped
-steps at WARNING), so applications can filter or redirect it; ``verbosity=0`` silences it. This
-module sits below every other one of amp and imports none of them.
+steps at WARNING), so applications can filter or redirect it; ``verbosity=0`` silences it. Misuse
+that training survives is a warning instead, shown at the user's line. This module sits below
+every other one of amp and imports none of them.
 """
 from __future__ import annotations
 
 import logging
+import os
+import sys
+import warnings
+from types import FrameType
 from typing import Callable
 
+import torch
 import torch.distributed as dist
 
-__all__ = ["logger", "is_rank_zero", "maybe_print", "follow_verbosity"]
+__all__ = ["logger", "is_rank_zero", "maybe_print", "follow_verbosity", "warn_at_caller"]
+
+# Frames in these directories are amp's or torch's own (a module's __call__, a compile wrapper).
+_LIBRARY_DIRS = (os.path.dirname(os.path.abspath(__file__)) + os.sep,
+                 os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)
 
 logger = logging.getLogger("amp")
 
@@ -38,3 +48,13 @@ def maybe_print(msg: str, rank0: bool = False, verbosity: int | None = None) -> 
     verbosity = _latest_verbosity() if verbosity is None else verbosity
     if verbosity > 0 and (not rank0 or is_rank_zero()):
         logger.info(msg)
+
+
+def warn_at_caller(message: str, category: type[Warning] = UserWarning) -> None:
+    """``warnings.warn(message, category)``, shown at the innermost line outside amp and torch: the
+    user's call (``optimizer.step()``, ``model(x)``) however deep amp's code and torch's wrappers are."""
+    frame: FrameType | None = sys._getframe(1)
+    level = 2
+    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)

@@ -1,4 +1,4 @@
-"""The hooks ``amp.initialize`` registers on a model: forward casting and fp32 state dicts.
+"""The hooks ``amp.initialize`` registers on a model: forward casting, the autocast check, fp32 state dicts.
 
 Every hook is a module-level function bound with ``functools.partial`` (or a small picklable
 object), never a closure over the original model, so ``copy.deepcopy(model)`` gives an
@@ -13,8 +13,11 @@ import weakref
 import torch
 from torch import nn
 
-from ._compat import register_load_state_dict_pre_hook, register_state_dict_post_hook
+from ._compat import (any_autocast_enabled, eager_under_compile, register_load_state_dict_pre_hook,
+                      register_state_dict_post_hook)
+from ._logging import warn_at_caller
 from ._master_weights import LOW_PRECISION_DTYPES
+from .casting.policy import in_disable_casts
 
 
 def applier(value, fn):
@@ -93,6 +96,52 @@ def cast_forward(model, input_caster, output_caster):
                                                        with_kwargs=True))
     handles.append(model.register_forward_hook(functools.partial(_cast_output, output_caster), prepend=True))
     return handles
+
+
+class AutocastCheck:
+    """A forward pre-hook: warn, once per ``amp.initialize`` call, of ``torch.autocast`` around the forward.
+
+    autocast overrides what amp chose (O1/O4 run bf16 linears under an fp16 loss scale, O2/O5
+    models have their weights recast every forward), silently. Cheap where it is right: one
+    check of torch's autocast state per forward, a constant under torch.compile. Inside
+    ``amp.disable_casts()`` the user runs their own precision on purpose, and is not warned.
+    """
+
+    def __init__(self, opt_level, what_amp_does):
+        self.opt_level = opt_level
+        self.what_amp_does = what_amp_does
+        self.warned = False
+
+    def __call__(self, module, args):
+        if any_autocast_enabled() and not self.warned and not in_disable_casts():
+            self._warn(module)
+
+    @eager_under_compile
+    def _warn(self, module):
+        self.warned = True
+        warn_at_caller(
+            f"amp: the forward of {type(module).__name__} runs inside torch.autocast, which overrides "
+            f"the precision amp.initialize(opt_level={self.opt_level!r}) chose: {self.what_amp_does}. "
+            "Remove the torch.autocast block (and a torch.amp.GradScaler, if any) around models that "
+            "amp.initialize returned: amp already picks the precision. (Warned once per "
+            "amp.initialize call.)")
+
+
+def check_autocast(models, options):
+    """Register an ``AutocastCheck`` on ``models``, the models of one run with ``options``, as run hooks."""
+    low = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+    if options.patch_torch_functions:
+        what = (f"amp runs the listed ops in {low[options.patch_torch_functions_type]} and keeps the rest "
+                "in fp32, and autocast recasts the ops on its own lists to its dtype instead, "
+                "whatever loss scale amp runs")
+    elif options.cast_model_type in LOW_PRECISION_DTYPES:
+        what = (f"the model is {low[options.cast_model_type]} already, and autocast recasts its weights "
+                "to its own dtype in every forward")
+    else:
+        what = "the forward runs in fp32, and autocast runs it in low precision without amp's loss scaling"
+    check = AutocastCheck(options.opt_level, what)
+    for model in models:
+        keep_run_hooks(model, [model.register_forward_pre_hook(check)])
 
 
 class _Masters:

@@ -165,7 +165,9 @@ def initialize(models: _Models, optimizers: _Optimizers | None = None, enabled: 
     O5 (O2 with bfloat16, scale 1). ``cast_model_type``, ``patch_torch_functions``,
     ``keep_batchnorm_fp32``, ``master_weights`` and ``loss_scale`` override the preset (``None``
     keeps it); ``loss_scale`` is ``"dynamic"`` or a number. Models and optimizers may live on
-    CPU or CUDA. Call parallel wrappers (DDP) after ``initialize``.
+    CPU or CUDA. Call parallel wrappers (DDP) after ``initialize``. A model cast to
+    ``cast_model_type`` keeps its float64 buffers in float64 (float64 parameters are refused).
+    amp picks the precision: a ``torch.autocast`` around the models' forward is warned about.
 
     Args (keyword-only, new here; they shape the dynamic loss scale):
         growth_factor (float): factor applied after ``growth_interval`` clean steps (Apex: 2).

@@ -3,15 +3,18 @@
 This module checks the arguments and finds the ``amp.initialize`` run the optimizers belong to;
 the block itself is run by the optimizers' controllers (``_controller.block``), whose loss scaler
 does the numbers (``scaler.py``) with the multi-tensor kernels (``multi_tensor_apply.py``).
+``torch.compile`` does not trace the block's entry and exit (``_UntracedBlock``).
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Sequence
+from types import TracebackType
+from typing import ContextManager, Iterator, Sequence
 
 import torch
 
 from ._amp_state import _amp_state
+from ._compat import eager_under_compile
 from ._controller.block import scale_loss_block
 from ._fsdp import check_order
 from ._optimizer_wrappers import OptimizerLike, is_optimizer
@@ -73,10 +76,32 @@ def _latest_context_for_no_optimizers() -> AmpContext:
     return _amp_state.context
 
 
-@contextlib.contextmanager
+class _UntracedBlock:
+    """A ``scale_loss`` block whose entry and exit ``torch.compile`` does not trace but runs as they are.
+
+    A compiled step breaks its graph at the block anyway (autograd runs the backward inside it), so
+    amp's work there runs as in eager mode, as ``torch.amp.GradScaler``'s does: a compiled step
+    gets eager amp's results and checks, and guards on none of amp's state (no recompiles).
+    """
+
+    __slots__ = ("_block",)
+
+    def __init__(self, block: ContextManager[torch.Tensor]) -> None:
+        self._block = block
+
+    @eager_under_compile
+    def __enter__(self) -> torch.Tensor:
+        return self._block.__enter__()
+
+    @eager_under_compile
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 traceback: TracebackType | None) -> bool | None:
+        return self._block.__exit__(exc_type, exc, traceback)
+
+
 def scale_loss(loss: torch.Tensor, optimizers: OptimizerLike | Sequence[OptimizerLike] | None,
                loss_id: int = 0, model: object = None, delay_unscale: bool = False,
-               delay_overflow_check: bool = False) -> Iterator[torch.Tensor]:
+               delay_overflow_check: bool = False) -> ContextManager[torch.Tensor]:
     """Yield ``loss.float() * loss_scale`` for ``.backward()``; on exit, unscale and check overflow.
 
     On a clean exit the gradients of every optimizer passed are unscaled (into the fp32 master
@@ -100,7 +125,17 @@ def scale_loss(loss: torch.Tensor, optimizers: OptimizerLike | Sequence[Optimize
     parameter shared by two optimizers, optimizers of different ``initialize`` calls, a block
     whose dynamic loss scaler is held by a block open in another thread (give each thread its
     own ``loss_id``, or its own ``initialize`` call).
+
+    In a step compiled whole with ``torch.compile`` the block's entry and exit run eagerly, as
+    ``torch.amp.GradScaler``'s work does: the graph breaks at the block (autograd runs the backward
+    inside it), and amp's checks and bits are eager amp's.
     """
+    return _UntracedBlock(_scale_loss_block(loss, optimizers, loss_id, delay_unscale, delay_overflow_check))
+
+
+@contextlib.contextmanager
+def _scale_loss_block(loss: torch.Tensor, optimizers: OptimizerLike | Sequence[OptimizerLike] | None,
+                      loss_id: int, delay_unscale: bool, delay_overflow_check: bool) -> Iterator[torch.Tensor]:
     context: AmpContext | None
     if optimizers is None:
         # Apex accepted None where the scale is a static 1.0 without masters (nothing to unscale).

@@ -26,7 +26,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import amp
-from amp._compat import FSDP2, local_tensor
+from amp._compat import fsdp2, local_tensor
 
 WORLD = 2
 
@@ -68,8 +68,8 @@ def worker(rank, setup, args, port, out):
     if setup == "fsdp2":
         for layer in model:
             if isinstance(layer, nn.Linear):
-                FSDP2[0](layer)
-        FSDP2[0](model)
+                fsdp2()[0](layer)
+        fsdp2()[0](model)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
     model, optimizer = amp.initialize(model, optimizer, opt_level="O2", verbosity=0)
     if setup == "ddp":
@@ -105,7 +105,7 @@ def main():
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args()
-    if FSDP2 is None:
+    if fsdp2() is None:
         sys.exit(f"torch {torch.__version__} has no FSDP2 (fully_shard)")
     results = {}
     with tempfile.TemporaryDirectory() as out:

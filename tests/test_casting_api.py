@@ -216,3 +216,29 @@ def test_verbose_logs_each_cast(fresh_state, low, caplog):
         torch.mm(x, x.to(low))
         torch.exp(x.to(low))
     assert caplog.messages == [f"Float->{name} (mm)", f"{name}->Float (exp)"]
+
+
+class _MatmulInFloat(torch.autograd.Function):
+    """What ``torch.amp.custom_fwd(cast_inputs=torch.float32)`` asks of autocast, written for amp's
+    O1/O4 (which custom_fwd does not see): fp32 inputs, and no casts inside."""
+
+    @staticmethod
+    @amp.float_function
+    def forward(ctx, x, w):
+        with amp.disable_casts():
+            return x @ w
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, None
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O4"])
+def test_float_function_with_disable_casts_runs_a_custom_function_in_fp32(opt_level):
+    model = amp.initialize(nn.Linear(4, 4), opt_level=opt_level, verbosity=0)
+    x = torch.randn(2, 4).half()
+    assert (x @ model.weight).dtype != torch.float32  # O1/O4 would cast the matmul
+    out = _MatmulInFloat.apply(x, model.weight)
+    assert out.dtype == torch.float32
+    with amp.disable_casts():  # the fp32 reference, computed where amp casts nothing
+        assert torch.equal(out, x.float() @ model.weight.detach())

@@ -195,3 +195,20 @@ def test_masters_of_a_param_group_added_after_initialize_are_saved_and_restored(
     amp.load_state_dict(checkpoint["amp"])
     train(model, optimizer, range(SAVE_AFTER, STEPS), set())
     assert_identical(snapshot(model, optimizer), expected)
+
+
+def test_an_o2_checkpoint_resumes_at_o5_without_amp_state_as_the_refusal_says():
+    model, optimizer = initialized("O2", adam)
+    train(model, optimizer, range(SAVE_AFTER), {1})
+    checkpoint = save(model, optimizer)
+    masters = [p.detach().clone() for p in amp.master_params(optimizer)]
+    state = [t.clone() for s in optimizer.state.values() for t in s.values()]
+
+    model, optimizer = initialized("O5", adam, seed=1)  # bf16 after fp16 overflows
+    with pytest.raises(RuntimeError, match="changed the opt level on purpose .* skip amp.load_state_dict"):
+        amp.load_state_dict(checkpoint["amp"])
+    model.load_state_dict(checkpoint["model"])
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    assert_identical([p.detach() for p in amp.master_params(optimizer)], masters)
+    assert_identical([t for s in optimizer.state.values() for t in s.values()], state)
+    train(model, optimizer, range(SAVE_AFTER, STEPS), set())

@@ -23,6 +23,11 @@ def test_probes_bind_torch_itself():
     else:
         assert _compat.foreach_norm is torch._foreach_norm
     assert _compat.is_compiling is torch.compiler.is_compiling
+    assert _compat.eager_under_compile is torch._disable_dynamo
+    if hasattr(torch._C, "_is_any_autocast_enabled"):  # torch >= 2.4
+        assert _compat.any_autocast_enabled is torch._C._is_any_autocast_enabled
+    else:
+        assert _compat.any_autocast_enabled is _compat._autocast_on_cuda_or_cpu
     assert _compat.rnn_module() is torch.nn.modules.rnn
     if hasattr(torch.nn.Module, "register_state_dict_post_hook"):  # torch >= 2.5
         assert (_compat.register_state_dict_post_hook
@@ -116,6 +121,32 @@ def test_missing_is_compiling_means_not_compiling(monkeypatch):
     assert _compat._probe_is_compiling()() is False
 
 
+def test_without_disable_dynamo_torch_compile_traces_amp_as_any_code(monkeypatch):
+    monkeypatch.delattr(torch, "_disable_dynamo")
+    eager_under_compile = _compat._probe_eager_under_compile()
+
+    def fn():
+        return 1
+
+    assert eager_under_compile(fn) is fn and eager_under_compile(recursive=False)(fn) is fn
+
+
+@pytest.mark.filterwarnings("ignore:torch.is_autocast_cpu_enabled:DeprecationWarning")
+def test_autocast_is_seen_on_cuda_and_the_cpu_before_torch_asks_every_device(monkeypatch):
+    monkeypatch.delattr(torch._C, "_is_any_autocast_enabled", raising=False)
+    any_autocast_enabled = _compat._probe_any_autocast_enabled()
+    assert any_autocast_enabled() is False
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert any_autocast_enabled() is True
+
+
+def test_a_plain_tensor_is_its_own_local_tensor():
+    t = torch.ones(2)
+    assert _compat.local_tensor(t) is t
+    param = torch.nn.Parameter(t)
+    assert _compat.local_tensor(param) is param
+
+
 def test_sparse_coo_without_is_coalesced_falls_back(monkeypatch):
     real = torch.sparse_coo_tensor
 
@@ -150,3 +181,19 @@ def test_importing_amp_draws_no_random_numbers():
     env = dict(os.environ, PYTHONPATH=str(REPO))
     result = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.slow
+def test_importing_amp_and_an_inference_forward_load_no_distributed_tensor_fsdp_or_compiler():
+    # They cost half a second (sympy) and a second (torch._dynamo) in every process that imports
+    # amp; amp probes DTensor and FSDP2 at first use, and recognises their objects without
+    # importing them. (A torch.optim optimizer imports all of them when it is built.)
+    script = ("import sys, torch; import amp, amp.optimizers, amp.parallel, fp16_utils; "
+              "model = amp.initialize(torch.nn.Linear(2, 2), opt_level='O2', verbosity=0); "
+              "model(torch.ones(1, 2)); "
+              "print(sorted(name for name in ('sympy', 'torch.distributed.tensor', 'torch.distributed.fsdp', "
+              "'torch._dynamo') if name in sys.modules))")
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"

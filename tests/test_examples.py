@@ -177,13 +177,13 @@ def test_distributed_smoke_learns_and_ranks_agree():
 
 FSDP2_PROBE = """
 import sys, tempfile, torch, torch.distributed as dist
-from amp._compat import FSDP2
-if FSDP2 is None:
+from amp._compat import fsdp2
+if fsdp2() is None:
     sys.exit("torch has no FSDP2 (fully_shard)")
 dist.init_process_group("gloo", init_method="file://" + tempfile.mkdtemp() + "/store", rank=0,
                         world_size=1)
 try:
-    FSDP2[0](torch.nn.Linear(2, 2))(torch.ones(1, 2))
+    fsdp2()[0](torch.nn.Linear(2, 2))(torch.ones(1, 2))
 except RuntimeError as error:
     sys.exit(str(error).splitlines()[0])
 """

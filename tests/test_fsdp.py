@@ -14,12 +14,12 @@ import torch.multiprocessing as mp
 
 import amp
 from amp._amp_state import _amp_state
-from amp._compat import FSDP2
+from amp._compat import fsdp2
 from amp_common import LOW_DTYPE, TOLERANCES, batch, loss_of, net, sgd
 from test_distributed import finish, free_port, same_on_every_rank, skipped
 
 pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not dist.is_available() or FSDP2 is None,
+              pytest.mark.skipif(not dist.is_available() or fsdp2() is None,
                                  reason="torch.distributed or FSDP2 (fully_shard) is not available")]
 
 WORLD = 2
@@ -36,8 +36,8 @@ TOLERANCE = {"O0": FP32_SUMS, "O1": FP32_SUMS, "O4": FP32_SUMS,
 def sharded(model):
     """``fully_shard`` on each child (BatchNorm by itself), then on the root."""
     for child in model.children():
-        FSDP2[0](child)
-    FSDP2[0](model)
+        fsdp2()[0](child)
+    fsdp2()[0](model)
     return model
 
 
@@ -157,7 +157,7 @@ def wrong_order_error(rank):
 
 def mixed_batchnorm_unit_error():
     def run():
-        model = FSDP2[0](net())  # the BatchNorm shares the root's unit with both Linears
+        model = fsdp2()[0](net())  # the BatchNorm shares the root's unit with both Linears
         amp.initialize(model, sgd(model.parameters()), opt_level="O2", verbosity=0)
     return error_of(run)
 
@@ -165,10 +165,10 @@ def mixed_batchnorm_unit_error():
 def conflicting_policy_error():
     def run():
         model = net()
-        policy = FSDP2[2](param_dtype=torch.bfloat16)
+        policy = fsdp2()[2](param_dtype=torch.bfloat16)
         for child in model.children():
-            FSDP2[0](child, mp_policy=policy)
-        FSDP2[0](model, mp_policy=policy)
+            fsdp2()[0](child, mp_policy=policy)
+        fsdp2()[0](model, mp_policy=policy)
         amp.initialize(model, sgd(model.parameters()), opt_level="O2", verbosity=0)
     return error_of(run)
 

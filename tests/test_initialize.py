@@ -1,5 +1,6 @@
 """amp.initialize: arguments, Properties validation, the opt-level table, casting and return shapes."""
 import collections
+import copy
 import logging
 import warnings
 
@@ -169,6 +170,32 @@ def test_model_state_dict_under_master_weights_holds_the_exact_fp32_masters():
     reference = net().state_dict()
     model, _ = initialized("O2")
     assert torch.equal(model.state_dict()["fc1.weight"], reference["fc1.weight"])
+
+
+class RotaryTable(nn.Module):
+    """A linear layer scaled by a float64 table whose steps (1e-10) fp16, bf16 and fp32 round away."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("table", 1 + torch.arange(4, dtype=torch.float64) * 1e-10)
+
+    def forward(self, x):
+        return self.fc(x) * self.table.to(x.dtype)
+
+
+@pytest.mark.parametrize("keep_batchnorm_fp32", [None, False])
+@pytest.mark.parametrize("opt_level", ["O0", "O2", "O3", "O5"])
+def test_float64_buffers_keep_their_dtype_and_values_when_the_model_is_cast(opt_level, keep_batchnorm_fp32):
+    reference = RotaryTable()
+    model = copy.deepcopy(reference)
+    model = amp.initialize(model, opt_level=opt_level, keep_batchnorm_fp32=keep_batchnorm_fp32,
+                           verbosity=0)
+    assert model.table.dtype == torch.float64 and torch.equal(model.table, reference.table)
+    saved = model.state_dict()["table"]
+    assert saved.dtype == torch.float64 and torch.equal(saved, reference.table)
+    assert model.fc.weight.dtype == OPT_LEVELS[opt_level].options["cast_model_type"]
+    assert model(batch(0)).dtype == torch.float32
 
 
 def test_models_stay_on_cpu():

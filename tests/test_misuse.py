@@ -5,7 +5,8 @@ import pytest
 import torch
 
 import amp
-from amp_common import assert_identical, batch, initialized, loss_of, net, sgd, snapshot, train_step
+from amp_common import (LEVELS, MASTER_LEVELS, assert_identical, batch, initialized, loss_of, net, sgd, snapshot,
+                        train_step)
 
 
 def _grads(optimizer):
@@ -109,3 +110,79 @@ def test_o2_step_without_scale_loss_warns_once():
         warnings.simplefilter("error")
         optimizer.step()
         train_step(model, optimizer, 1)
+
+
+@pytest.mark.parametrize("opt_level", LEVELS)
+def test_an_amp_forward_inside_torch_autocast_warns_once_at_the_users_line(opt_level):
+    model = amp.initialize(torch.nn.Linear(4, 2), opt_level=opt_level, verbosity=0)
+    with pytest.warns(UserWarning, match="runs inside torch.autocast, which overrides") as caught:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(batch(0))
+            model(batch(1))
+    warned = [w for w in caught if "torch.autocast" in str(w.message)]
+    assert len(warned) == 1 and warned[0].filename == __file__
+    assert f"opt_level='{opt_level}'" in str(warned[0].message)
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2", "O5"])
+def test_an_amp_forward_without_autocast_or_inside_disable_casts_does_not_warn(opt_level):
+    model, optimizer = initialized(opt_level)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        train_step(model, optimizer, 0)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=False):
+            model(batch(1))
+        with amp.disable_casts(), torch.autocast("cpu", dtype=torch.bfloat16):
+            model(batch(2))
+
+
+def _clip_then_step(model, optimizer, step, clip):
+    with amp.scale_loss(loss_of(model(batch(step))), optimizer) as scaled_loss:
+        scaled_loss.backward()
+    clip()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+@pytest.mark.parametrize("make_optimizer", [
+    sgd, lambda params: amp.optimizers.FusedAdam(params, lr=0.01),
+    lambda params: amp.optimizers.FusedSGD(params, lr=0.1)], ids=["sgd", "FusedAdam", "FusedSGD"])
+@pytest.mark.parametrize("opt_level", MASTER_LEVELS)
+def test_clipping_the_models_grads_under_master_weights_warns_once_at_the_step(opt_level, make_optimizer):
+    model, optimizer = initialized(opt_level, make_optimizer)
+    with pytest.warns(UserWarning, match=r"clip_grad_norm_\(amp.master_params\(optimizer\)") as caught:
+        for step in range(3):
+            _clip_then_step(model, optimizer, step, lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01))
+    warned = [w for w in caught if "changed after amp.scale_loss exited" in str(w.message)]
+    assert len(warned) == 1 and warned[0].filename == __file__
+
+
+@pytest.mark.parametrize("opt_level", MASTER_LEVELS)
+def test_assigning_a_models_grad_after_scale_loss_under_master_weights_warns(opt_level):
+    model, optimizer = initialized(opt_level)
+
+    def replace():
+        model.fc1.weight.grad = torch.zeros_like(model.fc1.weight)
+
+    with pytest.warns(UserWarning, match="changed after amp.scale_loss exited"):
+        _clip_then_step(model, optimizer, 0, replace)
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2", "O5"])
+def test_clipping_the_masters_accumulating_and_zero_grad_between_blocks_do_not_warn(opt_level):
+    model, optimizer = initialized(opt_level)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _clip_then_step(model, optimizer, 0,
+                        lambda: torch.nn.utils.clip_grad_norm_(amp.master_params(optimizer), 0.01))
+        for step in (1, 2):  # two backward passes accumulate into one step
+            with amp.scale_loss(loss_of(model(batch(step))), optimizer) as scaled_loss:
+                scaled_loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        with amp.scale_loss(loss_of(model(batch(3))), optimizer) as scaled_loss:
+            scaled_loss.backward()
+        optimizer.zero_grad()  # a step given up: its grads are gone, masters' included
+        train_step(model, optimizer, 4)
+    if opt_level == "O1":  # no masters: the model's own grads are stepped, and clipping them works
+        _clip_then_step(model, optimizer, 5, lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01))

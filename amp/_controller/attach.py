@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from .._apex_compat import attach_apex_methods
-from .._compat import LR_SCHEDULER_STEP_MARKS
+from .._compat import LR_SCHEDULER_STEP_MARKS, eager_under_compile
 from .controller import OptimizerController
 from .weights import MasterWeights, OwnWeights, Weights
 
@@ -29,6 +29,17 @@ def _amp_step(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
     return optimizer._amp_stash.step(*args, **kwargs)
 
 
+@eager_under_compile
+def _amp_zero_grad(optimizer: Any, set_to_none: bool = True) -> None:
+    """``optimizer.zero_grad`` under master weights: the model's grads and the masters'.
+
+    Run as it is under ``torch.compile``, as torch's own ``zero_grad``.
+    """
+    stash = optimizer._amp_stash
+    stash.weights.zero_grad(set_to_none)
+    stash.grads_at_exit.forget()
+
+
 def attach_controller(optimizer: Any, context: AmpContext, param_names: dict[torch.Tensor, str],
                       fp32_values: dict[int, torch.Tensor], max_consecutive_skips: int) -> None:
     """Give ``optimizer`` its controller (``_amp_stash``) and delegating methods, once, and its masters.
@@ -41,7 +52,7 @@ def attach_controller(optimizer: Any, context: AmpContext, param_names: dict[tor
     if context.options.master_weights and not context.sharded_masters:
         # amp.optimizers name their own kind of master weights, so amp never imports them.
         masters = getattr(optimizer, "_amp_master_weights_kind", MasterWeights)(optimizer, names)
-        optimizer.zero_grad = masters.zero_grad
+        optimizer.zero_grad = types.MethodType(_amp_zero_grad, optimizer)
         copy_masters_to_model = masters.copy_to_model
         weights = masters
     else:

@@ -9,7 +9,13 @@ raises from here with what to do), the overflow flags that the block notes, and 
 with an optimizer that accepts ``found_inf`` (torch's ``fused=True`` Adam, AdamW, SGD, Adagrad)
 the flag goes to the optimizer and the host never reads it; otherwise the flag is read once and a
 non-finite step is skipped without calling the optimizer at all. Either way a skipped step leaves
-parameters, optimizer state and step counters untouched.
+parameters, optimizer state and step counters untouched. amp's part comes before
+(``_begin_step``) and after (``_end_step``) the optimizer's own step: ``torch.compile`` runs those
+eagerly and compiles only the optimizer's step, as with ``torch.amp.GradScaler.step``.
+
+Under master weights the step also notices the model's low-precision grads written after the
+last ``scale_loss`` exit (clipping ``model.parameters()``, the GradScaler habit, which the step
+never sees) and says, once, to clip ``amp.master_params(optimizer)`` instead.
 """
 from __future__ import annotations
 
@@ -20,9 +26,11 @@ import torch
 
 from .. import casting
 from .._apex_compat import ApexStashFields
-from .._compat import optimizer_accepts_found_inf, record_step_for_lr_scheduler
+from .._compat import eager_under_compile, optimizer_accepts_found_inf, record_step_for_lr_scheduler
+from .._logging import warn_at_caller
 from .._overflow_report import OverflowReporter, non_finite_grad_names
 from .._skip_counts import SkipCounts
+from .grads import GradsAtExit
 from .param_groups import validated_param_group
 from .phase import Phase, combine_flags
 from .weights import Weights
@@ -49,6 +57,23 @@ def _describe_skip(scalers: Sequence[LossScaler], overflowed_loss_ids: list[int]
     return describe
 
 
+class _Step:
+    """One ``optimizer.step()``: what amp decided before the optimizer's own step, for after it.
+
+    ``found_inf``: the flag handed to an optimizer that skips by itself (None otherwise);
+    ``overflowed``: the losses whose flags the host read (None when it read none); ``casts_off``:
+    the O1/O4 casts are off until the step is over.
+    """
+
+    __slots__ = ("applies", "copies_masters", "found_inf", "overflowed", "casts_off")
+
+    def __init__(self) -> None:
+        self.applies = self.copies_masters = True
+        self.found_inf: torch.Tensor | None = None
+        self.overflowed: list[int] | None = None
+        self.casts_off = contextlib.ExitStack()
+
+
 class OptimizerController(ApexStashFields):
     """One optimizer's amp state and its way through backward passes and steps.
 
@@ -71,6 +96,9 @@ class OptimizerController(ApexStashFields):
         # loss_id -> overflow flag (device tensor) of the backward passes since the last step.
         self.found_inf_by_loss: dict[int, torch.Tensor] = {}
         self.skips = SkipCounts(_param_device(optimizer))
+        # Under master weights: the model's grads as the last scale_loss block left them.
+        self.grads_at_exit = GradsAtExit()
+        self._warned_grads_written = False
         self.reporter = OverflowReporter(max_consecutive_skips, context.verbosity, scalers=context.loss_scalers,
                                          max_steps_at_scale_floor=context.max_steps_at_scale_floor,
                                          step_counts=self.skips)
@@ -95,6 +123,7 @@ class OptimizerController(ApexStashFields):
         phase = self._phase_before_backward if self.phase is Phase.IN_BACKWARD else self.phase
         return phase is Phase.GRADS_SCALED
 
+    @eager_under_compile
     def prepare_master_grads(self) -> None:
         """Called by ``amp.master_params``: make the grads it yields hold this step's gradients."""
         self.weights.prepare_master_grads(self.phase)
@@ -149,6 +178,8 @@ class OptimizerController(ApexStashFields):
         else:
             self.phase = Phase.UNSCALED
             self.unscale_grads(unscaler)
+            if self.master_weights:
+                self.grads_at_exit.note(self.weights.low_params)
 
     def abort_backward(self) -> None:
         """Leave the block without unscaling: grads set aside come back, the phase is as before."""
@@ -157,6 +188,8 @@ class OptimizerController(ApexStashFields):
         if self._grads_set_aside:
             self.weights.restore_grads()
         self.phase = self._phase_before_backward
+        if self.master_weights:
+            self.grads_at_exit.note(self.weights.low_params)  # as amp put them back
 
     def note_found_inf(self, loss_id: int, found_inf: torch.Tensor) -> None:
         """Keep ``loss_id``'s overflow flag for the next step (the max over its backward passes)."""
@@ -176,73 +209,117 @@ class OptimizerController(ApexStashFields):
                                "it followed. Run the last backward of the step in a scale_loss block "
                                "with delay_unscale=False (it unscales everything), then call step().")
 
+    @eager_under_compile(recursive=False)
     def step(self, closure: Callable[[], Any] | None = None, *args: Any, **kwargs: Any) -> Any:
-        """The wrapped ``optimizer.step``: applied, or skipped if a grad since the last step overflowed."""
+        """The wrapped ``optimizer.step``: applied, or skipped if a grad since the last step overflowed.
+
+        Under ``torch.compile`` amp's part before and after the optimizer's own step runs as it is,
+        and only the optimizer's step is compiled (as with ``torch.amp.GradScaler.step``).
+        """
+        step = self._begin_step(closure)
+        try:
+            if not step.applies:
+                result = None
+            elif closure is None:  # none is passed: many optimizers (LARC's among them) take no closure
+                result = self.original_step(*args, **kwargs)
+            else:
+                result = self.original_step(closure, *args, **kwargs)
+        except BaseException:
+            self._abandon_step(step)
+            raise
+        self._end_step(step)
+        return result
+
+    @eager_under_compile
+    def _begin_step(self, closure: Callable[[], Any] | None) -> _Step:
+        """Check, take the overflow flags, and decide: the optimizer skips by itself on ``found_inf``
+        (sync-free), or the host reads the flags once and a non-finite step never reaches it."""
         self.weights.check_step(closure, self.phase)
         self._check_phase_for_step()
+        self._check_model_grads_unchanged()
         self.phase = Phase.READY
         self.weights.before_step()
         flags_by_loss, self.found_inf_by_loss = self.found_inf_by_loss, {}
-        casts_off = casting.disable_casts() if self.patch_torch_functions else contextlib.nullcontext()
-        with casts_off:
+        step = _Step()
+        if self.patch_torch_functions:
+            step.casts_off.enter_context(casting.disable_casts())
+        try:
             if not flags_by_loss:
                 self.skips.record_applied()
-                result, copy_masters = self._original_step(closure, args, kwargs), True
             elif optimizer_accepts_found_inf(self.optimizer):
-                found_inf = combine_flags(list(flags_by_loss.values()))
-                # The masters are unchanged on a skipped step, so copying them again is harmless.
-                result, copy_masters = self._step_with_found_inf(found_inf, closure, args, kwargs), True
+                self._hand_over_found_inf(step, combine_flags(list(flags_by_loss.values())))
             else:
-                result, copy_masters = self._step_reading_flag(flags_by_loss, closure, args, kwargs)
-            self.weights.after_step(copy_masters)
-        return result
+                self._read_flags(step, flags_by_loss)
+        except BaseException:
+            step.casts_off.close()
+            raise
+        return step
 
-    def _original_step(self, closure: Callable[[], Any] | None, args: tuple[Any, ...],
-                       kwargs: dict[str, Any]) -> Any:
-        # Without a closure, none is passed: many optimizers (LARC's among them) take no closure.
-        if closure is None:
-            return self.original_step(*args, **kwargs)
-        return self.original_step(closure, *args, **kwargs)
+    def _check_model_grads_unchanged(self) -> None:
+        """Warn (once) of the model's low-precision grads written after the last scale_loss exit."""
+        if self.master_weights and self.grads_at_exit.changed(self.weights.low_params) \
+                and not self._warned_grads_written:
+            self._warned_grads_written = True
+            level = self.context.options.opt_level
+            warn_at_caller(
+                f"amp: the model's low-precision gradients were changed after amp.scale_loss exited "
+                "(torch.nn.utils.clip_grad_norm_(model.parameters(), ...)? p.grad = ...?). Under "
+                f"{level} the step is taken on the fp32 master weights, whose gradients amp unscaled "
+                "from the model's at the block's exit, and the model's gradients still carry the loss "
+                "scale (a norm computed from them is the scaled one): the change does nothing to the "
+                "step, or with an amp.optimizers optimizer scales it by a factor computed from scaled "
+                "gradients. Clip or change the masters' gradients instead: "
+                "torch.nn.utils.clip_grad_norm_(amp.master_params(optimizer), max_norm). (Warned once "
+                "per optimizer.)")
+        self.grads_at_exit.forget()
 
-    def _step_with_found_inf(self, found_inf: torch.Tensor, closure: Callable[[], Any] | None,
-                             args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """Sync-free step: the optimizer itself skips on ``found_inf`` (device-side)."""
-        optimizer = self.optimizer
-        device = _param_device(optimizer)
+    def _hand_over_found_inf(self, step: _Step, found_inf: torch.Tensor) -> None:
+        """Sync-free: the optimizer itself skips on ``found_inf`` (device-side); the masters are
+        unchanged on a skipped step, so copying them again is harmless."""
+        device = _param_device(self.optimizer)
         # Fused optimizers subtract found_inf from 0-dim step counters: it must be 0-dim too.
-        found_inf = found_inf.to(device=device, dtype=torch.float32, non_blocking=True).reshape(())
-        optimizer.grad_scale, optimizer.found_inf = None, found_inf
-        try:
-            result = self._original_step(closure, args, kwargs)
-        finally:
-            del optimizer.grad_scale, optimizer.found_inf
-        self.skips.record(found_inf)
-        counts = self.skips.host_values()
-        if counts is not None:
-            self.reporter.report(*counts, lambda: "Gradient overflow.  Skipped step(s), the loss scale "
-                                 "was reduced.", self._culprit_finder())
-        return result
+        step.found_inf = found_inf.to(device=device, dtype=torch.float32, non_blocking=True).reshape(())
+        self.optimizer.grad_scale, self.optimizer.found_inf = None, step.found_inf
 
-    def _step_reading_flag(self, flags_by_loss: dict[int, torch.Tensor], closure: Callable[[], Any] | None,
-                           args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, bool]:
+    def _read_flags(self, step: _Step, flags_by_loss: dict[int, torch.Tensor]) -> None:
         """Apex's path: one host read of the flags; a non-finite step never reaches the optimizer."""
         loss_ids = list(flags_by_loss)
         values = torch.cat([flags_by_loss[i] for i in loss_ids]).tolist()
-        overflowed = [loss_id for loss_id, value in zip(loss_ids, values) if value > 0]
-        applied = not overflowed
-        self.skips.record_known(not applied)
-        if applied:
-            result = self._original_step(closure, args, kwargs)
-        else:
+        step.overflowed = [loss_id for loss_id, value in zip(loss_ids, values) if value > 0]
+        step.applies = step.copies_masters = not step.overflowed
+        self.skips.record_known(not step.applies)
+        if not step.applies:
             # A scheduler that wrapped step() before amp did would otherwise warn that step() was
             # never called.
             record_step_for_lr_scheduler(self.optimizer, self.original_step)
-            result = None
-        self.host_total_skips += not applied
-        self.host_consecutive_skips = 0 if applied else self.host_consecutive_skips + 1
-        self.reporter.report(self.host_total_skips, self.host_consecutive_skips,
-                             _describe_skip(self.context.loss_scalers, overflowed), self._culprit_finder())
-        return result, applied
+
+    @eager_under_compile
+    def _abandon_step(self, step: _Step) -> None:
+        """The optimizer's step raised: take the flag back and turn the casts on again."""
+        try:
+            if step.found_inf is not None:
+                del self.optimizer.grad_scale, self.optimizer.found_inf
+        finally:
+            step.casts_off.close()
+
+    @eager_under_compile
+    def _end_step(self, step: _Step) -> None:
+        """Count and report the step, applied or skipped; copy the masters into the model."""
+        with step.casts_off:
+            if step.found_inf is not None:
+                del self.optimizer.grad_scale, self.optimizer.found_inf
+                self.skips.record(step.found_inf)
+                counts = self.skips.host_values()
+                if counts is not None:
+                    self.reporter.report(*counts, lambda: "Gradient overflow.  Skipped step(s), the loss "
+                                         "scale was reduced.", self._culprit_finder())
+            elif step.overflowed is not None:
+                self.host_total_skips += not step.applies
+                self.host_consecutive_skips = 0 if step.applies else self.host_consecutive_skips + 1
+                self.reporter.report(self.host_total_skips, self.host_consecutive_skips,
+                                     _describe_skip(self.context.loss_scalers, step.overflowed),
+                                     self._culprit_finder())
+            self.weights.after_step(step.copies_masters)
 
     def _culprit_finder(self) -> Callable[[], list[str]]:
         """A callable listing the names of the parameters (masters and model) whose grads are not finite."""

@@ -18,7 +18,8 @@ from .._compat import coalesced_sparse_coo_tensor
 if TYPE_CHECKING:
     from ..scaler import Unscaler
 
-__all__ = ["GradStash", "MasterGrads", "put_back", "set_aside", "unscale_in_place", "unscaled_sparse"]
+__all__ = ["GradStash", "GradsAtExit", "MasterGrads", "put_back", "set_aside", "unscale_in_place",
+           "unscaled_sparse"]
 
 
 def set_aside(params: list[torch.Tensor], slots: list[torch.Tensor | None]) -> None:
@@ -146,3 +147,36 @@ class MasterGrads:
             unscaler.unscale_into(fresh_model, fresh_master)
         if acc_model:
             unscaler.unscale_with_stashed(acc_model, acc_master, acc_master)
+
+
+class GradsAtExit:
+    """The model's low-precision grads as a ``scale_loss`` block left them, to notice a later write.
+
+    Under master weights the step never reads what is written to the model's grads after the
+    block exits (the masters' grads were unscaled from them there), so clipping them, the
+    GradScaler habit, silently does nothing. Each grad's identity and version counter say whether
+    it was replaced (``p.grad = ...``) or changed in place (every in-place op, ``clip_grad_norm_``
+    included, bumps the counter; writes through ``p.grad.data`` bypass it and go unseen), read on
+    the host without a sync. Writes during the backward (DDP's all-reduce) come before the block exits.
+    """
+
+    def __init__(self) -> None:
+        self.grads: list[torch.Tensor | None] | None = None
+        self.versions: list[int] = []
+
+    def note(self, params: list[torch.Tensor]) -> None:
+        self.grads = [param.grad for param in params]
+        self.versions = [grad._version for grad in self.grads if grad is not None]
+
+    def changed(self, params: list[torch.Tensor]) -> bool:
+        """Whether a grad of ``params`` (the list ``note`` saw) was replaced or written since."""
+        if self.grads is None:
+            return False
+        grads = [param.grad for param in params]
+        if len(grads) != len(self.grads) or any(now is not then for now, then in zip(grads, self.grads)):
+            return True
+        return [grad._version for grad in grads if grad is not None] != self.versions
+
+    def forget(self) -> None:
+        """Drop the references (the step, or ``zero_grad``, is over with these grads)."""
+        self.grads, self.versions = None, []

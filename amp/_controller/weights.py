@@ -16,11 +16,11 @@ masters (``masters``) and the buffers of their grads (``master_grads``).
 """
 from __future__ import annotations
 
-import warnings
 from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 import torch
 
+from .._logging import warn_at_caller
 from .._master_weights import LOW_PRECISION_DTYPES, check_trainable_dtype
 from .grads import GradStash, MasterGrads
 from .masters import Masters
@@ -265,11 +265,10 @@ class MasterWeights:
                                "weights (O2/O5): call the closure yourself, then optimizer.step().")
         if phase is Phase.READY and not self._warned_step_without_backward:
             self._warned_step_without_backward = True
-            warnings.warn("optimizer.step() was called under master weights (O2/O5) with no "
+            warn_at_caller("optimizer.step() was called under master weights (O2/O5) with no "
                           "amp.scale_loss backward since the last step: the fp32 master weights have no "
                           "gradients, so nothing is trained. Run the backward inside "
-                          "`with amp.scale_loss(loss, optimizer) as scaled_loss:`. (Warned once.)",
-                          stacklevel=4)
+                          "`with amp.scale_loss(loss, optimizer) as scaled_loss:`. (Warned once.)")
 
     def before_step(self) -> None:
         self.masters.refresh_written_elsewhere()

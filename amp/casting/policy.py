@@ -31,7 +31,7 @@ from .._compat import is_compiling
 from ._cast import CastCache
 
 __all__ = ["RunPolicy", "current", "DISABLED", "set_outside", "outside", "casts_to", "track",
-           "disabled", "restore"]
+           "disabled", "restore", "in_disable_casts"]
 
 current: Policy | None = None
 # The policies that enclosing forwards (and the outside) will get back, innermost last.
@@ -175,6 +175,11 @@ def disabled() -> Policy | None:
                 current = DISABLED
         _disabled_depth += 1
     return _policy_before_disabled
+
+
+def in_disable_casts() -> bool:
+    """Whether a ``disable_casts`` block is open (in any thread), at any opt level."""
+    return _disabled_depth > 0
 
 
 def restore(previous: Policy | None) -> None:

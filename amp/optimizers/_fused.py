@@ -24,6 +24,7 @@ from typing import Any, Callable, Dict, Iterable, Optional, Sequence, Tuple, Uni
 
 import torch
 
+from amp._compat import eager_under_compile
 from amp._controller.fused import FusedMasterWeights, inverse
 from amp.multi_tensor_apply import Scalar
 
@@ -108,6 +109,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         super().__setstate__(state)
         self._noop_flags = {}
 
+    @eager_under_compile  # the ops are amp's kernels (or their exact PyTorch twins): nothing to compile
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Perform one optimization step; ``closure`` re-evaluates the model and returns the loss."""

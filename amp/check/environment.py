@@ -158,7 +158,9 @@ def describe(env: Dict[str, Any]) -> List[str]:
         lines.append(f"  amp_C: built ({ext['file']}); CUDA kernels: {kernels} (images: {images}); "
                      f"cuda_available(): {ext['cuda_available']}")
     else:
-        lines.append(f"  amp_C: not built ({ext['error']})")
+        lines.append(f"  amp_C: not built ({ext['error']}): amp runs the PyTorch ops everywhere (the same "
+                     "results, slower), and the checks of amp_C's kernels are skipped")
+        lines.append(f"    build it with {mta._BUILD_HINT}")
     flags = "unknown" if cpu["flags"] is None else (" ".join(cpu["flags"]) or "none of interest")
     lines.append(f"  CPU: {cpu['name']}; flags: {flags}; torch's CPU capability: {cpu['torch_capability']}")
     lines.append(f"  amp_C CPU kernels: {cpu['amp_C_path']}")
@@ -173,6 +175,11 @@ def describe(env: Dict[str, Any]) -> List[str]:
                      f"amp_C code for it: {cover}")
     lines.append("  paths (device, op: path, why):")
     for device in env["devices"]:
-        for op in device["ops"]:
+        ops = device["ops"]
+        if len(ops) > 1 and len({(op["path"], op["reason"]) for op in ops}) == 1:
+            # One reason, said once; a missing amp_C's import error is above.
+            reason = ops[0]["reason"] if ext["built"] else "amp_C is not built"
+            ops = [{**ops[0], "op": f"all {len(ops)} ops", "reason": reason}]
+        for op in ops:
             lines.append(f"    {device['device']:<7} {op['op']:<28} {op['path']:<6} {op['reason']}")
     return lines

@@ -18,6 +18,7 @@ from amp import multi_tensor_apply as mta
 from amp._compat import non_finite_check_and_unscale_
 
 from .kernel_cases import AMP_CHUNK
+from .kernels import skip_reason
 from .report import FAIL, PASS, SKIP, Result
 
 __all__ = ["unscale_timing"]
@@ -52,9 +53,9 @@ def seconds_per_call(fn: Callable[[], object], device: torch.device, inner: int 
 def unscale_timing(device: torch.device, quick: bool = False) -> Result:
     """Time amp_C's fused unscale against PyTorch's on ``device`` (a skip where amp_C is not used)."""
     name = "unscale timing"
-    path, reason = mta.path_for("multi_tensor_scale", device)
-    if path != "amp_C":
-        return Result(name, str(device), SKIP, f"amp runs the PyTorch fallback here ({reason})")
+    reason = skip_reason("multi_tensor_scale", device)
+    if reason is not None:
+        return Result(name, str(device), SKIP, reason)
     start = time.perf_counter()
     gen = torch.Generator().manual_seed(0)
     grads = [(torch.randn(n, generator=gen) * 1024).half().to(device) for n in _shapes(device, quick)]

@@ -226,8 +226,11 @@ def _amp_C_extension(with_cuda):
     nvcc = None
     if with_cuda:
         nvcc, cuda_home = _find_cuda()
-        _check_cuda_major(torch, _nvcc_version(nvcc))
-        cxx_flags.append("-DAMP_WITH_CUDA_KERNELS")
+        nvcc_version = _nvcc_version(nvcc)
+        _check_cuda_major(torch, nvcc_version)
+        # build_info() reports the runtime linked in (the toolkit's, as nvcc's): python -m amp.check
+        # sets it beside torch's and the driver's.
+        cxx_flags += ["-DAMP_WITH_CUDA_KERNELS", f"-DAMP_CUDA_RUNTIME={nvcc_version[0]}.{nvcc_version[1]}"]
         if torch.version.cuda is not None:
             cxx_flags.append("-DAMP_WITH_TORCH_CUDA")
             include_dirs.append(str(cuda_home / "include"))

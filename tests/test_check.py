@@ -21,7 +21,7 @@ import amp.check
 import amp.multi_tensor_apply as mta
 from amp import _pytorch_ops as _torch_ops
 from amp._amp_state import _amp_state
-from amp.check import environment, kernels, training
+from amp.check import environment, gpus, kernels, training
 from amp.check.report import FAIL, PASS, SKIP, Report, Result
 from amp.multi_tensor_apply import use_extension
 from amp_common import flip_one_bit, ignore_the_flag, stand_in_amp_C
@@ -326,3 +326,51 @@ def test_the_summary_has_a_column_per_device():
     assert re.search(r"^  multi_tensor_scale\s+pass\s+fail\s*$", table, re.M)
     assert re.search(r"^  unscale timing\s+pass 1.50x\s+skip\s*$", table, re.M)
     assert "FAILED: 2 passed, 1 failed, 1 skipped" in table and "failed: multi_tensor_scale on cuda:0: bits" in table
+
+
+# ---- the GPU's current stream and a second GPU ------------------------------------------------------
+
+
+def test_the_gpu_checks_make_no_rows_for_the_cpu():
+    assert gpus.checks(CPU, []) == []
+
+
+@pytest.mark.parametrize("index, other", [(0, 1), (1, 0), (2, None)])
+def test_the_first_two_gpus_are_each_checked_with_the_other_current(index, other):
+    devices = [torch.device("cuda", i) for i in range(3)]
+    assert gpus._other(devices[index], devices) == (None if other is None else devices[other])
+
+
+def test_where_amp_C_does_not_serve_a_gpu_its_checks_are_skipped_by_name(kernels_with, monkeypatch):
+    kernels_with()
+    monkeypatch.setattr(mta, "_extension_cuda", False)
+    results = gpus.checks(torch.device("cuda", 1), [torch.device("cuda", 0), torch.device("cuda", 1)])
+    assert [(r.check, r.device, r.status) for r in results] == [
+        ("current stream", "cuda:1", SKIP), (f"first-use self-test, {gpus.OTHER_CURRENT}", "cuda:1", SKIP),
+        (f"O2 step, {gpus.OTHER_CURRENT}", "cuda:1", SKIP)]
+    assert all(r.detail == "amp runs the PyTorch fallback here (amp_C was built without CUDA kernels)"
+               for r in results)
+
+
+@pytest.mark.cuda
+def test_the_gpu_checks_pass_on_this_machine():
+    report = amp.check.run(quick=True, only=["gpus"], quiet=True)
+    assert report.passed, report.summary()
+    checks = {(r.check, r.device) for r in report.results if r.status == PASS}
+    count = torch.cuda.device_count()
+    assert {("current stream", f"cuda:{i}") for i in range(count)} <= checks
+    if count > 1:
+        assert {(f"O2 step, {gpus.OTHER_CURRENT}", f"cuda:{i}") for i in (0, 1)} <= checks
+
+
+@pytest.mark.parametrize("driver, amp_runtime, says", [
+    ("13.0", "13.0", None),
+    ("13.0", "13.2", "it runs by CUDA's minor version compatibility, but this driver cannot JIT-compile its PTX"),
+    ("12.8", "13.0", "its kernels cannot run here"),
+])
+def test_the_report_sets_amp_C_s_runtime_beside_the_driver_s(driver, amp_runtime, says):
+    lines = environment._cuda_lines("13.0", driver, amp_runtime)
+    assert lines[0] == (f"  CUDA: driver supports {driver}; torch's runtime 13.0; amp_C's runtime {amp_runtime} "
+                        "(linked in statically)")
+    assert (len(lines) == 1) if says is None else (says in lines[1] and f"CUDA {driver} toolkit" in lines[1])
+    assert environment._cuda_lines(None, None, None) == []

@@ -19,6 +19,9 @@ the PyTorch fallback) and why. Then, per device:
   ``amp.check.kernels.NORM_RTOL``), the overflow flag exactly;
 * training steps through amp, O1, O2 and O2 with each fused optimizer, against the PyTorch path
   (``amp.check.training``);
+* on each GPU, that amp_C's kernels run on torch's current stream and leave the current device
+  alone, and with two GPUs, the first-use self-test and an O2 step on each while the other is
+  the current device (``amp.check.gpus``);
 * a timing of the fused unscale against PyTorch's (``amp.check.timing``), as a ratio.
 
 A summary table says pass, fail or skip per check and device. A check is skipped where amp does
@@ -46,12 +49,12 @@ import torch
 
 from amp import multi_tensor_apply as mta
 
-from . import environment, kernels, timing, training
+from . import environment, gpus, kernels, timing, training
 from .report import FAIL, KERNELS, PASS, SKIP, Report, Result
 
 __all__ = ["run", "main", "Report", "Result", "PASS", "FAIL", "SKIP", "SECTIONS"]
 
-SECTIONS = ("kernels", "training", "timing")
+SECTIONS = ("kernels", "training", "gpus", "timing")
 
 
 def _check_json_path(path: str) -> None:
@@ -140,6 +143,13 @@ def run(devices: Optional[Sequence[str]] = None, quick: bool = False, json_path:
             for device in targets:
                 for name in training.checks(quick):
                     report.add(training.training_check(name, device), stream, "training steps")
+        if "gpus" in sections:
+            say("amp.check: the GPU's current stream and device, and a second GPU")
+            gpu_targets = [device for device in targets if device.type == "cuda"]
+            if not gpu_targets:
+                say("  (no GPU is being checked)")
+            for device in gpu_targets:
+                report.add_all(gpus.checks(device, gpu_targets), stream, "gpus")
         if "timing" in sections:
             say("amp.check: fused unscale against PyTorch's")
             for device in targets:

@@ -100,6 +100,13 @@ def test_each_wrong_kernel_fails_it_naming_the_op_and_the_first_difference(op, w
     assert "with amp_C but" in result.detail or "amp_C raised RuntimeError: CUDA error" in result.detail
 
 
+def test_an_error_without_a_message_is_named_by_its_type():
+    def bare(*args):
+        raise RuntimeError()
+    result = first_use.self_test(stand_in_amp_C(multi_tensor_scale=bare), CPU)
+    assert result.status == FAIL and result.detail.endswith(": amp_C raised RuntimeError")
+
+
 def test_every_op_has_cases():
     for op in _pytorch_ops.__all__:
         assert list(first_use.first_use_cases(op, CPU)), op

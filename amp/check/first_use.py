@@ -29,7 +29,7 @@ from amp.casting import disable_casts
 from .kernel_cases import (AMP_CHUNK, CHUNK, DTYPES, _adam_forms, _flag, _optimizer_lists, _poison,
                            _sgd_forms, _sizes, _tensors, cases)
 from .kernel_compare import Case, Observation, Op, call, compare, dtype_name
-from .report import FAIL, PASS, Result
+from .report import FAIL, PASS, Result, error_line
 
 __all__ = ["CHECK", "FALLBACK_CASES", "first_use_cases", "self_test"]
 
@@ -242,7 +242,7 @@ def self_test(kernels: Any, device: torch.device) -> Result:
         try:
             count, failure = _first_failure(kernels, device)
         except Exception as err:  # noqa: BLE001 - a test that cannot run proves nothing
-            count, failure = 0, f"the self-test raised {type(err).__name__}: {str(err).strip().splitlines()[0]}"
+            count, failure = 0, f"the self-test raised {error_line(err)}"
     seconds = time.perf_counter() - start
     if failure is not None:
         return Result(CHECK, str(device), FAIL, failure, count, seconds)

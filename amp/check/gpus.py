@@ -25,7 +25,7 @@ from amp import multi_tensor_apply as mta
 from . import first_use, training
 from .kernel_cases import AMP_CHUNK
 from .kernels import skip_reason
-from .report import FAIL, PASS, SKIP, Result
+from .report import FAIL, PASS, SKIP, Result, error_line
 
 __all__ = ["STREAM", "OTHER_CURRENT", "checks"]
 
@@ -66,7 +66,7 @@ def stream_check(device: torch.device, current: torch.device) -> Result:
         side.synchronize()
         wrong = int((dst != 1.5).sum().item())
     except Exception as err:  # noqa: BLE001 - any error is the finding, named in the report
-        return Result(STREAM, str(device), FAIL, f"raised {type(err).__name__}: {str(err).strip().splitlines()[0]}",
+        return Result(STREAM, str(device), FAIL, f"raised {error_line(err)}",
                       1, time.perf_counter() - start)
     seconds = time.perf_counter() - start
     if wrong:

@@ -11,11 +11,17 @@ import dataclasses
 import itertools
 from typing import IO, Any, Dict, Iterable, List, Optional
 
-__all__ = ["PASS", "FAIL", "SKIP", "KERNELS", "Result", "Report"]
+__all__ = ["PASS", "FAIL", "SKIP", "KERNELS", "Result", "Report", "error_line"]
 
 PASS, FAIL, SKIP = "pass", "fail", "skip"
 #: The section of the kernel self-tests: all skipped, the run verified the PyTorch path alone.
 KERNELS = "amp_C kernels"
+
+
+def error_line(err: BaseException) -> str:
+    """``Type: the first line of its message``: an error as a report names it."""
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
 
 
 @dataclasses.dataclass

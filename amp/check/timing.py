@@ -19,7 +19,7 @@ from amp._compat import non_finite_check_and_unscale_
 
 from .kernel_cases import AMP_CHUNK
 from .kernels import skip_reason
-from .report import FAIL, PASS, SKIP, Result
+from .report import FAIL, PASS, SKIP, Result, error_line
 
 __all__ = ["unscale_timing"]
 
@@ -83,8 +83,8 @@ def unscale_timing(device: torch.device, quick: bool = False) -> Result:
         equal = all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(ours, theirs))
         equal = equal and flag.item() == 0 and found_inf.item() == 0
     except Exception as err:  # noqa: BLE001 - any error is the finding, named in the report
-        return Result(name, str(device), FAIL, f"raised {type(err).__name__}: "
-                      f"{str(err).strip().splitlines()[0]}", 1, time.perf_counter() - start)
+        return Result(name, str(device), FAIL, f"raised {error_line(err)}", 1,
+                      time.perf_counter() - start)
     seconds = time.perf_counter() - start
     elements = sum(g.numel() for g in grads)
     if not equal:

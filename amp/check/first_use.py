@@ -36,7 +36,6 @@ __all__ = ["CHECK", "FALLBACK_CASES", "first_use_cases", "self_test"]
 CHECK = "first-use self-test"
 FALLBACK_CASES = 12
 _NINE = _sizes(1, 9, CHUNK)
-Make = Callable[[], Tuple[Any, ...]]
 
 
 def _coefficient(value: float, device: torch.device, on_device: bool) -> Any:
@@ -142,8 +141,9 @@ def _hysteresis_cases(device: torch.device) -> Iterator[Case]:
 
 def _optimizer_cases(op: str, device: torch.device, forms: Sequence[Tuple[torch.dtype, ...]],
                      configs: Sequence[Tuple[Any, ...]], extra: Callable[[int], Tuple[Any, ...]],
-                     special: Callable[[int, bool], Tuple[Any, ...]], positive: Tuple[int, ...]) -> Iterator[Case]:
-    """Every dtype form once, the configs in turn; then an inf in a grad and a set flag."""
+                     special: Callable[[bool], Tuple[Any, ...]], positive: Tuple[int, ...]) -> Iterator[Case]:
+    """Every dtype form once with ``configs`` in turn and ``extra(i)`` after them; then an inf in a
+    grad and a set flag, with ``special(coefficients on the device)`` after the lists."""
     for i, form in enumerate(forms):
         def make(form: Tuple[torch.dtype, ...] = form, i: int = i) -> Tuple[Any, ...]:
             gen = torch.Generator().manual_seed(400 + i)
@@ -156,7 +156,7 @@ def _optimizer_cases(op: str, device: torch.device, forms: Sequence[Tuple[torch.
             gen = torch.Generator().manual_seed(420)
             lists = _optimizer_lists(gen, _NINE, forms[-1], device, grad_scale=1024.0, positive=positive)
             _poison(lists[0], "middle", float("inf"))
-            return (CHUNK, _flag(device, flag), lists, *special(flag, flag == 0))
+            return (CHUNK, _flag(device, flag), lists, *special(flag == 0))
         yield Case("inf in a grad" if flag == 0 else "a set flag writes nothing", call(op, poisoned))
 
 
@@ -168,7 +168,7 @@ def _sgd_cases(device: torch.device) -> Iterator[Case]:
     def scale(i: int) -> Tuple[Any, ...]:
         return (_coefficient(2.0**-10, device, i % 2 == 0),)
 
-    def special(flag: int, on_device: bool) -> Tuple[Any, ...]:
+    def special(on_device: bool) -> Tuple[Any, ...]:
         return (*configs[0], _coefficient(2.0**-10, device, on_device))
     return _optimizer_cases("multi_tensor_sgd", device, _sgd_forms(), configs, scale, special, ())
 
@@ -182,7 +182,7 @@ def _adam_cases(device: torch.device) -> Iterator[Case]:
         step = torch.tensor([i + 1], dtype=torch.int64, device=device) if on_device else i + 1
         return step, i % 2, int(i % 3 != 2), 1e-2 * (i % 2), _coefficient(2.0**-10, device, on_device)
 
-    def special(flag: int, on_device: bool) -> Tuple[Any, ...]:
+    def special(on_device: bool) -> Tuple[Any, ...]:
         return (*configs[0], *step_and_scale(0 if on_device else 1))
     return _optimizer_cases("multi_tensor_adam", device, _adam_forms(), configs, step_and_scale, special, (3,))
 

@@ -15,11 +15,40 @@ install. The binding gets the current stream from PyTorch, which a CPU-only PyTo
 give: built against one, the CUDA kernels are compiled and linked but CUDA tensors are refused
 with a clear error (``amp_C.cuda_available()`` is then False).
 
+Why the CUDA runtime is linked statically, not shared with torch as ``CUDAExtension`` links it
+(``-lcudart``): two runtimes then live in one process, torch's and amp_C's, and we keep that.
+
+* For static: amp_C runs with exactly the runtime of the toolkit whose nvcc compiled it (CUDA
+  promises a runtime works on a newer driver, not that nvcc's code works on an older runtime of
+  the same major, which a shared link to torch's runtime would ask). And ``import amp_C`` needs
+  no CUDA library on the loader's path: a shared ``libcudart.so.13`` is found through amp_C's own
+  rpath (torch's ``lib/`` holds no libcudart; pip's ``nvidia/cuda_runtime/lib``, conda's and the
+  system's layouts differ) or only because torch loaded it first; a CPU-only torch (CI) has none.
+* Two runtimes are safe here because what they share lives in the driver: each GPU's primary
+  context (both runtimes use it), the current device (the driver's current context, which the
+  binding sets with torch's device guard for the tensors' device) and streams (driver objects:
+  amp_C launches on torch's current stream of that device). Each runtime keeps its own error
+  state and module registrations, so amp_C's launch checks see amp_C's errors only.
+  ``python -m amp.check`` proves this on each machine (its ``gpus`` section: a side stream, and
+  with two GPUs each one's tensors with the other current; ``tools/gpu_check.sh`` runs it).
+* A static runtime newer than the driver: within one major version CUDA's minor-version
+  compatibility runs the SASS, but the driver cannot JIT-compile the newer PTX, so a GPU amp_C
+  holds only PTX for fails its first launch there: amp's first-use self-test catches it (the
+  PyTorch path, one ERROR), and ``python -m amp.check`` sets the three versions side by side.
+  Across majors, the build refuses an nvcc whose major is not torch's.
+* Lazy loading (``CUDA_MODULE_LOADING``, which torch sets to LAZY where unset): each runtime
+  loads its own kernels into a context at their first launch there. amp's first-use self-test
+  makes those first launches at ``amp.initialize``, not inside a captured CUDA graph;
+  ``tools/gpu_check.sh`` also runs the checks with EAGER loading.
+
 Environment: ``TORCH_CUDA_ARCH_LIST`` (e.g. ``"8.0;9.0+PTX"``) picks the GPU architectures;
 otherwise the visible GPUs', or, without one, every architecture this nvcc supports from sm_80
-up. ``CUDA_HOME`` locates nvcc (else ``PATH``). Only the CUDA major version must match
-PyTorch's. C++ sources are compiled by PyTorch's ``BuildExtension`` (with ninja when present);
-the ``.cu`` files by parallel nvcc processes.
+up, with PTX of the highest either way (later GPUs JIT-compile it). The build ends with a line
+naming the GPU code it made; at run time a GPU that code does not cover takes amp's PyTorch path
+with a WARNING giving the ``TORCH_CUDA_ARCH_LIST`` to rebuild with. ``CUDA_HOME`` locates nvcc
+(else ``PATH``). Only the CUDA major version must match PyTorch's. C++ sources are compiled by
+PyTorch's ``BuildExtension`` (with ninja when present); the ``.cu`` files by parallel nvcc
+processes.
 
 ``import amp_C`` works on its own, without importing torch first (Apex-era files start with it).
 The extension needs torch's shared libraries (``libc10.so``, ``libtorch_cpu.so``, ...) and, before
@@ -91,22 +120,31 @@ def _check_cuda_major(torch, nvcc_version):
 
 
 def _arch_list(torch, nvcc):
-    """The `X.Y[+PTX]` architectures to build for."""
+    """The `X.Y[+PTX]` architectures to build for: TORCH_CUDA_ARCH_LIST as given; else the visible
+    GPUs', or every one this nvcc supports from sm_80 up; then with PTX of the highest, so that a
+    later GPU JIT-compiles the kernels instead of taking the PyTorch path (a build on an A100 then
+    also runs on an H100)."""
     requested = os.environ.get("TORCH_CUDA_ARCH_LIST", "").replace(" ", ";")
     archs = [a for a in requested.split(";") if a]
     if archs:
         return archs
     if torch.cuda.is_available():
         caps = {torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())}
-        return [f"{major}.{minor}" for major, minor in sorted(caps)]
-    listed = subprocess.check_output([str(nvcc), "--list-gpu-arch"], text=True).split()
-    numbers = sorted({int(a.split("_")[1]) for a in listed if re.fullmatch(r"compute_\d+", a)})
-    archs = [f"{n // 10}.{n % 10}" for n in numbers if n >= 80]
-    # PTX for the newest lets later GPUs JIT-compile the kernels.
+        archs = [f"{major}.{minor}" for major, minor in sorted(caps)]
+    else:
+        listed = subprocess.check_output([str(nvcc), "--list-gpu-arch"], text=True).split()
+        numbers = sorted({int(a.split("_")[1]) for a in listed if re.fullmatch(r"compute_\d+", a)})
+        archs = [f"{n // 10}.{n % 10}" for n in numbers if n >= 80]
+        if not archs:
+            raise RuntimeError(f"{nvcc} compiles for no GPU from sm_80 up ({' '.join(listed)}); set "
+                               "TORCH_CUDA_ARCH_LIST to the architectures you want")
     return archs[:-1] + [archs[-1] + "+PTX"]
 
 
 def _gencode_flags(archs):
+    """nvcc's -gencode flags: SASS of each architecture, and PTX where `+PTX` asks for it. PTX is
+    always the plain architecture's (`9.0a+PTX` ships compute_90): arch- and family-specific PTX
+    (compute_90a, compute_100f) would JIT only on that architecture or family, not on later GPUs."""
     flags = []
     for arch in archs:
         match = re.fullmatch(r"(\d+)\.(\d+)([af]?)(\+PTX)?", arch)
@@ -114,11 +152,28 @@ def _gencode_flags(archs):
             raise RuntimeError(
                 f"TORCH_CUDA_ARCH_LIST entry {arch!r} is not of the form 8.0, 9.0a or 8.6+PTX"
             )
-        number = match.group(1) + match.group(2) + match.group(3)
+        plain = match.group(1) + match.group(2)
+        number = plain + match.group(3)
         flags.append(f"-gencode=arch=compute_{number},code=sm_{number}")
         if match.group(4):
-            flags.append(f"-gencode=arch=compute_{number},code=compute_{number}")
+            flags.append(f"-gencode=arch=compute_{plain},code=compute_{plain}")
     return flags
+
+
+def _images(gencode):
+    """The GPU code the flags produce (sm_80, compute_90, ...), as amp_C.build_info() reports it."""
+    return [flag.rsplit("code=", 1)[1] for flag in gencode]
+
+
+def _images_note(images):
+    """What the build says at its end: the GPU code amp_C holds, and what other GPUs do."""
+    ptx = [image for image in images if image.startswith("compute_")]
+    later = (f"GPUs after {', '.join(ptx)} JIT-compile its PTX when they first load it" if ptx
+             else "no PTX: later GPUs are not covered")
+    return (f"amp_C: CUDA kernels built for {', '.join(images)} ({later}). A GPU this code does not "
+            "cover takes amp's PyTorch path (same results, slower, and a warning at run time); to add "
+            'it, rebuild with it in TORCH_CUDA_ARCH_LIST (e.g. "7.5;8.0;9.0+PTX" for a T4, an A100 '
+            "and an H100 and later GPUs).")
 
 
 def _another_distributions_amp_C():
@@ -171,8 +226,11 @@ def _amp_C_extension(with_cuda):
     nvcc = None
     if with_cuda:
         nvcc, cuda_home = _find_cuda()
-        _check_cuda_major(torch, _nvcc_version(nvcc))
-        cxx_flags.append("-DAMP_WITH_CUDA_KERNELS")
+        nvcc_version = _nvcc_version(nvcc)
+        _check_cuda_major(torch, nvcc_version)
+        # build_info() reports the runtime linked in (the toolkit's, as nvcc's): python -m amp.check
+        # sets it beside torch's and the driver's.
+        cxx_flags += ["-DAMP_WITH_CUDA_KERNELS", f"-DAMP_CUDA_RUNTIME={nvcc_version[0]}.{nvcc_version[1]}"]
         if torch.version.cuda is not None:
             cxx_flags.append("-DAMP_WITH_TORCH_CUDA")
             include_dirs.append(str(cuda_home / "include"))
@@ -192,16 +250,20 @@ def _amp_C_extension(with_cuda):
                     "that file. amp does not need it: install amp without AMP_CPP_EXT/AMP_CUDA_EXT (it "
                     "then uses its PyTorch ops, with the same results), or build amp_C in a separate "
                     "environment, or in place in a checkout (python setup.py build_ext --inplace).")
+            images = []
             if cuda_sources:
                 gencode = _gencode_flags(_arch_list(torch, nvcc))
                 objects = self._compile_cuda(Path(self.build_temp) / "amp_C_cuda", gencode)
-                # amp_C.build_info() reports the images (sm_80, compute_90, ...), so that
-                # `python -m amp.check` can tell whether they cover the GPUs it finds.
-                images = ",".join(flag.rsplit("code=", 1)[1] for flag in gencode)
+                # amp_C.build_info() reports the images (sm_80, compute_90, ...), so that amp can
+                # tell whether they cover a GPU before it launches anything there.
+                images = _images(gencode)
                 for ext in self.extensions:
                     ext.extra_objects = list(ext.extra_objects or []) + objects
-                    ext.extra_compile_args = list(ext.extra_compile_args) + [f"-DAMP_CUDA_IMAGES={images}"]
+                    ext.extra_compile_args = list(ext.extra_compile_args) + [
+                        f"-DAMP_CUDA_IMAGES={','.join(images)}"]
             super().build_extensions()
+            if images:
+                print(_images_note(images), flush=True)
 
         def _compile_cuda(self, out_dir, gencode):
             out_dir.mkdir(parents=True, exist_ok=True)
@@ -232,9 +294,12 @@ def _amp_C_extension(with_cuda):
     return [ext], {"build_ext": BuildAmpC}
 
 
-ext_modules, cmdclass = [], {}
-if _env_flag("AMP_CPP_EXT") or _env_flag("AMP_CUDA_EXT"):
-    ext_modules, cmdclass = _amp_C_extension(with_cuda=_env_flag("AMP_CUDA_EXT"))
+# Build frontends run this file as __main__ (pip through setuptools.build_meta, `python setup.py`);
+# tests import it for the helpers above.
+if __name__ == "__main__":
+    ext_modules, cmdclass = [], {}
+    if _env_flag("AMP_CPP_EXT") or _env_flag("AMP_CUDA_EXT"):
+        ext_modules, cmdclass = _amp_C_extension(with_cuda=_env_flag("AMP_CUDA_EXT"))
 
-# Everything else (name, version, dependencies, packages) is declared in pyproject.toml.
-setup(ext_modules=ext_modules, cmdclass=cmdclass)
+    # Everything else (name, version, dependencies, packages) is declared in pyproject.toml.
+    setup(ext_modules=ext_modules, cmdclass=cmdclass)

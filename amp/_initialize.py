@@ -11,7 +11,7 @@ import functools
 import torch
 from torch import nn
 
-from . import _fsdp, casting
+from . import _fsdp, casting, multi_tensor_apply
 from ._amp_state import _amp_state
 from ._apex_compat import APEX_METHODS, warn_or_err
 from ._master_weights import LOW_PRECISION_DTYPES, check_trainable_dtype, convert_network
@@ -163,6 +163,8 @@ def _initialize(models, optimizers, context, num_losses, cast_model_outputs, sca
     # Nothing below raises on user input: from here on, models and optimizers change.
     for model in models:
         remove_run_hooks(model)  # of an earlier initialize of the same model
+    # The kernels' paths (amp_C's first-use self-test) are decided now, eagerly, not in a step.
+    multi_tensor_apply.decide_paths(p.device for model in models for p in model.parameters())
     # Masters start from the exact fp32 values, taken before the model is cast.
     fp32_values = {}
     cast_type = options.cast_model_type

@@ -17,6 +17,24 @@ Switching the extension off: ``AMP_DISABLE_EXTENSION=1`` in the environment sets
 default; ``with use_extension(False):`` (or ``True``) overrides it for a block, so tests and
 benchmarks can compare both paths in one process. The switch is process-global, not per thread.
 
+A GPU the build holds no code for (a V100 or T4 with the default sm_80-and-up build, a GPU newer
+than a build without PTX) takes the PyTorch path, with one WARNING on the ``amp`` logger that gives
+the ``TORCH_CUDA_ARCH_LIST`` to rebuild with.
+
+Check before trusting: the first time ``amp_C`` would serve a device in a process (the CPU, each
+GPU), amp runs its first-use self-test there (``amp.check.first_use``: every op on a few cases
+against the PyTorch version, about 0.2 s on a CPU) and uses the kernels on that device only if all
+agree. On a difference or an error it logs one ERROR naming the op, the device, the first
+difference and ``python -m amp.check``, and that device takes the PyTorch path for the rest of the
+process: training goes on with the same results, only slower. ``amp.initialize`` runs it for its
+models' devices, so that it happens eagerly, before any step is compiled or captured; otherwise the
+first op on the device runs it. It never runs while ``torch.compile`` traces, during CUDA graph
+capture or under a ``TorchDispatchMode`` (fake tensors): there a device not yet tested takes the
+PyTorch path, and the test waits for the next eager call. A second thread that reaches an untested
+device waits for the first thread's test. ``AMP_DISABLE_SELF_TEST=1`` in the environment turns it
+off (``amp_C`` is then trusted as built); ``with use_self_test(False):`` does so for a block
+(``python -m amp.check``, which tests every kernel itself).
+
 Amp's own code calls ``multi_tensor_applier(multi_tensor_scale, flag, lists, scale)``; user code
 written for Apex may equally pass ``amp_C.multi_tensor_scale`` to the applier.
 
@@ -34,14 +52,15 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import threading
 import warnings
-from typing import Any, Callable, Iterator, Sequence, TypeVar, Union
+from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar, Union
 
 import torch
 
 from amp import _memory_formats, _pytorch_ops
-from amp._logging import maybe_print
-from amp._compat import local_tensor
+from amp._logging import logger, maybe_print
+from amp._compat import is_compiling, local_tensor
 
 _import_error: ImportError | None
 try:
@@ -64,8 +83,8 @@ else:
         amp_C = None
 
 # The ops keep amp_C's names; the list lives with their PyTorch versions.
-__all__ = ["MultiTensorApply", "multi_tensor_applier", "use_extension", "path_for", "covers",
-           "TensorLists", "Scalar", *_pytorch_ops.__all__]
+__all__ = ["MultiTensorApply", "multi_tensor_applier", "use_extension", "use_self_test", "decide_paths",
+           "path_for", "covers", "TensorLists", "Scalar", *_pytorch_ops.__all__]
 
 #: ``[list0, list1, ...]``: an op's tensor lists; the tensors at one index are processed together.
 TensorLists = Sequence[Sequence[torch.Tensor]]
@@ -78,9 +97,18 @@ _extension_enabled = os.environ.get("AMP_DISABLE_EXTENSION", "0") != "1"
 _fallback_reported: set[str] = set()
 # How to build amp_C, for an installed amp-torch (pip rebuilds it from its sdist; --no-cache-dir, or
 # pip reuses the wheel it built before, whatever AMP_*_EXT says now) and in a checkout.
-_BUILD_HINT = ("AMP_CUDA_EXT=1 (or AMP_CPP_EXT=1 for the CPU kernels alone) pip install "
-               "--no-build-isolation --no-deps --force-reinstall --no-cache-dir --no-binary amp-torch "
-               "amp-torch (in a checkout: AMP_CUDA_EXT=1 pip install --no-build-isolation .)")
+_PIP_REBUILD = ("pip install --no-build-isolation --no-deps --force-reinstall --no-cache-dir "
+                "--no-binary amp-torch amp-torch")
+_CHECKOUT_BUILD = "pip install --no-build-isolation ."
+_BUILD_HINT = (f"AMP_CUDA_EXT=1 (or AMP_CPP_EXT=1 for the CPU kernels alone) {_PIP_REBUILD} "
+               f"(in a checkout: AMP_CUDA_EXT=1 {_CHECKOUT_BUILD})")
+
+_self_test_enabled = os.environ.get("AMP_DISABLE_SELF_TEST", "0") != "1"
+# The first-use self-test's verdicts, by device ("cpu", "cuda:0"): passed, or why amp_C failed.
+_self_test_passed: set[str] = set()
+_self_test_failures: dict[str, str] = {}
+_self_test_lock = threading.Lock()
+_self_testing = threading.local()  # .active: this thread is running the self-test (its own calls)
 
 
 class MultiTensorApply:
@@ -126,11 +154,30 @@ def use_extension(enabled: bool) -> Iterator[None]:
         _extension_enabled = previous
 
 
-def _report_fallback_once(reason: str) -> None:
+@contextlib.contextmanager
+def use_self_test(enabled: bool) -> Iterator[None]:
+    """Within the block, run and heed ``amp_C``'s first-use self-test (``True``) or neither
+    (``False``: ``amp_C`` serves wherever the rule above allows, as built)."""
+    global _self_test_enabled
+    previous = _self_test_enabled
+    _self_test_enabled = bool(enabled)
+    try:
+        yield
+    finally:
+        _self_test_enabled = previous
+
+
+def _report_fallback_once(reason: str, warn: bool = False) -> None:
     # Once per process and reason: the fallback is correct, only slower, so it is not worth a
-    # warning per step.
-    if reason not in _fallback_reported:
-        _fallback_reported.add(reason)
+    # message per step. A build without code for this GPU is worth a WARNING (every process: GPUs
+    # may differ between ranks); a missing or switched-off amp_C only a note.
+    if reason in _fallback_reported:
+        return
+    _fallback_reported.add(reason)
+    if warn:
+        logger.warning("amp: %s. Until then amp runs the PyTorch multi-tensor ops there (same results, "
+                       "slower).", reason)
+    else:
         maybe_print(
             f"amp: {reason}; using the PyTorch multi-tensor ops (same results, slower). "
             f"Build the kernels with {_BUILD_HINT}",
@@ -175,11 +222,25 @@ def _gpu_code_missing(device: torch.device) -> str | None:
         major, minor = torch.cuda.get_device_capability(index)
         reason = None
         if covers(images, (major, minor)) is False:
-            reason = (f"amp_C holds no GPU code for cuda:{index} (sm_{major}{minor}; it was built for "
-                      f"{', '.join(images or ()) or 'no GPU'}): rebuild it with TORCH_CUDA_ARCH_LIST="
-                      f"{major}.{minor} AMP_CUDA_EXT=1")
+            archs = rebuild_arch_list(images or [], (major, minor))
+            reason = (f"amp_C holds no GPU code for cuda:{index} ({torch.cuda.get_device_name(index)}, "
+                      f"sm_{major}{minor}; it was built for {', '.join(images or ()) or 'no GPU'}): rebuild "
+                      f'it with TORCH_CUDA_ARCH_LIST="{archs}" AMP_CUDA_EXT=1 {_PIP_REBUILD} (in a '
+                      f'checkout: TORCH_CUDA_ARCH_LIST="{archs}" AMP_CUDA_EXT=1 {_CHECKOUT_BUILD})')
         _missing_gpu_code[index] = reason
     return _missing_gpu_code[index]
+
+
+def rebuild_arch_list(images: Sequence[str], capability: Sequence[int]) -> str:
+    """The ``TORCH_CUDA_ARCH_LIST`` that keeps the architectures of ``images`` and adds a GPU of
+    ``capability``, with PTX of the highest, so that later GPUs JIT-compile it."""
+    archs = {(int(capability[0]), int(capability[1]), "")}
+    for image in images:
+        match = re.fullmatch(r"(?:sm|compute)_(\d+)(\d)([af]?)", image)
+        if match is not None:
+            archs.add((int(match.group(1)), int(match.group(2)), match.group(3)))
+    names = [f"{major}.{minor}{suffix}" for major, minor, suffix in sorted(archs)]
+    return ";".join(names) + "+PTX"
 
 
 def _fallback_reason(device: torch.device) -> str | None:
@@ -196,12 +257,88 @@ def _fallback_reason(device: torch.device) -> str | None:
     return None
 
 
+def _device_key(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}"
+    return device.type
+
+
+def _distrusted(device: torch.device, run: bool) -> str | None:
+    """Why amp_C is not to be used on ``device`` although it could be: its first-use self-test failed
+    there, or (``run``) has not run and cannot run now. None: trusted. With ``run``, runs the test
+    once per device and process where none ran yet."""
+    if not _self_test_enabled:
+        return None
+    key = _device_key(device)
+    if key in _self_test_passed:
+        return None
+    if key in _self_test_failures:
+        return _self_test_failures[key]
+    if not run:
+        return None
+    # Checked first, and without touching the lock or the thread-local: dynamo traces this code.
+    if is_compiling():
+        return f"amp_C's first-use self-test has not run on {key} yet, and never runs inside torch.compile"
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return f"amp_C's first-use self-test has not run on {key} yet, and never runs during CUDA graph capture"
+    if torch._C._len_torch_dispatch_stack() > 0:
+        return f"amp_C's first-use self-test has not run on {key} yet, and never runs under a TorchDispatchMode"
+    if getattr(_self_testing, "active", False):
+        return "amp_C's first-use self-test is running in this thread"  # an op it runs came back here
+    return _run_self_test(key, device)
+
+
+def _run_self_test(key: str, device: torch.device) -> str | None:
+    with _self_test_lock:  # another thread may have tested the device while this one waited
+        if key in _self_test_passed:
+            return None
+        if key in _self_test_failures:
+            return _self_test_failures[key]
+        _self_testing.active = True
+        try:
+            passed, detail = _first_use_self_test(device)
+        finally:
+            _self_testing.active = False
+        if passed:
+            _self_test_passed.add(key)
+            return None
+        _self_test_failures[key] = f"amp_C failed amp's first-use self-test on {key} ({detail})"
+    # Every process says it: a broken GPU on one rank is news there.
+    logger.error("amp: amp_C failed amp's first-use self-test on %s: %s. amp runs the PyTorch "
+                 "multi-tensor ops on %s for the rest of this process (same results, slower). Run "
+                 "`python -m amp.check` for the full report, and include its output when you report "
+                 "this.", key, detail, key)
+    return _self_test_failures[key]
+
+
+def _first_use_self_test(device: torch.device) -> tuple[bool, str]:
+    """(passed, what failed): ``amp.check.first_use`` on ``device``. Never raises: the user's step
+    is what called it."""
+    try:
+        from amp.check import first_use, report  # imported here: amp.check imports amp
+
+        result = first_use.self_test(amp_C, device)
+    except Exception as err:  # noqa: BLE001 - a test that cannot run proves nothing
+        return False, f"the self-test could not run: {type(err).__name__}: {err}"
+    return result.status == report.PASS, result.detail
+
+
 def _extension_serves(device: torch.device) -> bool:
     reason = _fallback_reason(device)
+    if reason is None:
+        return _distrusted(device, run=True) is None
     # Worth a note when building amp_C would help; a switch-off or another device is by choice.
-    if reason is not None and _extension_enabled and device.type in ("cpu", "cuda"):
-        _report_fallback_once(reason)
-    return reason is None
+    if _extension_enabled and device.type in ("cpu", "cuda"):
+        _report_fallback_once(reason, warn=reason in _missing_gpu_code.values())
+    return False
+
+
+def decide_paths(devices: Iterable[torch.device]) -> None:
+    """Decide now which path serves each of ``devices``: report a fallback, run the first-use
+    self-test. ``amp.initialize`` calls it for its models' devices, so that this happens eagerly,
+    before a step can be compiled or captured."""
+    for device in dict.fromkeys(devices):
+        _extension_serves(device)
 
 
 def path_for(op_name: str, device: torch.device | str) -> tuple[str, str]:
@@ -210,7 +347,7 @@ def path_for(op_name: str, device: torch.device | str) -> tuple[str, str]:
     """
     getattr(_pytorch_ops, op_name)  # an unknown op name is an AttributeError here too
     device = torch.device(device)
-    reason = _fallback_reason(device)
+    reason = _fallback_reason(device) or _distrusted(device, run=False)
     if reason is None and getattr(amp_C, op_name, None) is None:
         reason = f"this amp_C build has no {op_name} (rebuild it)"
     if reason is not None:

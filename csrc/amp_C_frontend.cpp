@@ -148,12 +148,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         out["cuda_kernels"] = info.cuda_kernels;
         out["torch_cuda"] = info.torch_cuda;
         out["cuda_images"] = info.cuda_images;
+        out["cuda_runtime"] = info.cuda_runtime.empty() ? py::object(py::none()) : py::str(info.cuda_runtime);
         out["cpu_x86_64_v3_clones"] = info.cpu_x86_64_v3_clones;
         out["cpu_runs_x86_64_v3"] = info.cpu_runs_x86_64_v3;
         out["cpu_f16c_stores"] = info.cpu_f16c_stores;
         return out;
       },
-      "what this build holds: cuda_kernels, torch_cuda, cuda_images (sm_XY / compute_XY), and "
+      "what this build holds: cuda_kernels, torch_cuda, cuda_images (sm_XY / compute_XY), "
+      "cuda_runtime (the CUDA runtime linked in statically, None without CUDA kernels), and "
       "the CPU paths: cpu_x86_64_v3_clones (loops also built for AVX2/FMA/F16C), "
       "cpu_runs_x86_64_v3 (this CPU takes them), cpu_f16c_stores (fp16 stores through F16C)");
 }

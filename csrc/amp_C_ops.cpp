@@ -334,8 +334,9 @@ bool cuda_available() {
 #endif
 }
 
-// setup.py passes the images as -DAMP_CUDA_IMAGES=sm_80,compute_90 (no quotes: they would have
-// to survive ninja's shell); the tokens are turned into one string here.
+// setup.py passes the images as -DAMP_CUDA_IMAGES=sm_80,compute_90 and the runtime's version as
+// -DAMP_CUDA_RUNTIME=13.0 (no quotes: they would have to survive ninja's shell); the tokens are
+// turned into strings here.
 #define AMP_STRINGIFY_TOKENS(...) #__VA_ARGS__
 #define AMP_STRINGIFY(...) AMP_STRINGIFY_TOKENS(__VA_ARGS__)
 
@@ -352,6 +353,9 @@ BuildInfo build_info() {
     info.cuda_images.push_back(images.substr(begin, end - begin));
     begin = end + 1;
   }
+#endif
+#if defined(AMP_CUDA_RUNTIME)
+  info.cuda_runtime = AMP_STRINGIFY(AMP_CUDA_RUNTIME);
 #endif
   const CpuPaths cpu = cpu_paths();
   info.cpu_x86_64_v3_clones = cpu.x86_64_v3_clones;

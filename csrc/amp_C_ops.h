@@ -94,6 +94,7 @@ struct BuildInfo {
   bool cuda_kernels;
   bool torch_cuda;
   std::vector<std::string> cuda_images;
+  std::string cuda_runtime;  // the CUDA runtime linked in statically ("13.0"); empty without CUDA
   bool cpu_x86_64_v3_clones;
   bool cpu_runs_x86_64_v3;
   bool cpu_f16c_stores;

@@ -10,6 +10,7 @@ import contextlib
 import copy
 import functools
 import importlib.util
+import types
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ import torch
 from torch import nn
 
 import amp
+from amp import _pytorch_ops
 from amp.frontend import OPT_LEVELS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -184,3 +186,34 @@ def assert_identical(actual, expected, path="value"):
             assert_identical(a, e, f"{path}[{index}]")
     else:
         assert actual == expected, f"{path}: {actual!r} != {expected!r}"
+
+
+# ---- amp_C stand-ins: the PyTorch ops, some made wrong on purpose --------------------------------
+
+
+def stand_in_amp_C(**wrong):
+    """A module in place of amp_C: the fallback's ops, but ``wrong[name]`` for those named."""
+    ops = {name: getattr(_pytorch_ops, name) for name in _pytorch_ops.__all__}
+    return types.SimpleNamespace(cuda_available=lambda: False, **{**ops, **wrong})
+
+
+def flip_one_bit(op, argument=2, index=-1, bit=0):
+    """``op``, then one bit (the lowest by default) flipped in a middle element of
+    ``args[argument][index]`` (a list's middle tensor)."""
+    def wrong(*args):
+        returned = op(*args)
+        target = args[argument] if index is None else args[argument][index]
+        tensors = [t for t in (target if isinstance(target, list) else [target]) if t.numel() > 0]
+        if tensors:
+            t = tensors[len(tensors) // 2].view(-1)
+            bits = t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+            bits[bits.numel() // 2] ^= 1 << bit
+        return returned
+    return wrong
+
+
+def ignore_the_flag(op):
+    """``op`` on a private flag: it neither raises the caller's flag nor obeys a set one."""
+    def wrong(chunk_size, noop_flag, *args):
+        return op(chunk_size, torch.zeros_like(noop_flag), *args)
+    return wrong

@@ -8,6 +8,7 @@ import itertools
 import os
 import platform
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -483,10 +484,11 @@ def cpu_flags():
 
 def test_build_info_describes_this_build():
     info = amp_C.build_info()
-    assert set(info) == {"cuda_kernels", "torch_cuda", "cuda_images", "cpu_x86_64_v3_clones",
+    assert set(info) == {"cuda_kernels", "torch_cuda", "cuda_images", "cuda_runtime", "cpu_x86_64_v3_clones",
                          "cpu_runs_x86_64_v3", "cpu_f16c_stores"}
-    # setup.py records the images whenever it compiles CUDA kernels, and only then.
-    assert bool(info["cuda_images"]) == info["cuda_kernels"]
+    # setup.py records the images and the runtime linked in whenever it compiles CUDA kernels, and only then.
+    assert bool(info["cuda_images"]) == info["cuda_kernels"] == (info["cuda_runtime"] is not None)
+    assert info["cuda_runtime"] is None or re.fullmatch(r"\d+\.\d+", info["cuda_runtime"])
     assert all(image.startswith(("sm_", "compute_")) for image in info["cuda_images"])
     assert info["torch_cuda"] == (info["cuda_kernels"] and torch.version.cuda is not None)
     assert info["cpu_runs_x86_64_v3"] <= info["cpu_x86_64_v3_clones"]

@@ -4,6 +4,7 @@ device when a kernel is wrong, and writes the JSON fields the README lists.
 A wrong kernel is made on purpose: a stand-in ``amp_C`` whose ops are the PyTorch fallback's,
 one of them wrapped to flip one output bit, ignore the flag, or raise.
 """
+import io
 import json
 import os
 import re
@@ -20,9 +21,10 @@ import amp.check
 import amp.multi_tensor_apply as mta
 from amp import _pytorch_ops as _torch_ops
 from amp._amp_state import _amp_state
-from amp.check import environment, kernels, training
+from amp.check import environment, gpus, kernels, training
 from amp.check.report import FAIL, PASS, SKIP, Report, Result
 from amp.multi_tensor_apply import use_extension
+from amp_common import flip_one_bit, ignore_the_flag, stand_in_amp_C
 
 REPO = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
@@ -78,7 +80,10 @@ def test_the_quick_command_passes_and_writes_the_readme_s_fields(tmp_path, monke
         # The ops the fallback serves are skipped with its reason; amp_C's must pass.
         assert results[op, "cpu"]["status"] == (PASS if path == "amp_C" else SKIP), op
         if path != "amp_C":
-            assert reason in results[op, "cpu"]["detail"]
+            detail = results[op, "cpu"]["detail"]
+            assert (reason in detail) if mta.amp_C is not None else detail == "amp_C is not built"
+    assert results["first-use self-test", "cpu"]["status"] == expected[0][1][0].replace("amp_C", PASS).replace(
+        "torch", SKIP)
     if env:
         assert all(op["path"] == "torch" and op["reason"] == "switched off by AMP_DISABLE_EXTENSION=1"
                    for op in document["devices"][0]["ops"])
@@ -117,6 +122,21 @@ def test_a_device_that_is_not_there_is_a_usage_error(capsys):
     assert exit_info.value.code == 2 and "--device cuda:99" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("name", ["bogus", "cuda:abc", "", "CPU", "meta"])
+def test_a_device_name_amp_check_cannot_use_is_one_usage_error_line(capsys, name):
+    with pytest.raises(SystemExit) as exit_info:
+        amp.check.main(["--quick", "--device", name])
+    err = capsys.readouterr()
+    errors = [line for line in err.err.splitlines() if not line.startswith(("usage:", " "))]
+    assert exit_info.value.code == 2 and len(errors) == 1, err.err
+    assert errors[0].startswith(f"python -m amp.check: error: --device {name!r}"[:40]) or "--device" in errors[0]
+    assert "Traceback" not in err.err and "amp.check" not in err.out  # nothing ran
+
+
+def test_every_spelling_of_the_cpu_is_checked_once():
+    assert amp.check._devices(["cpu", "cpu:0", "cpu:1"]) == [CPU]
+
+
 # ---- a wrong kernel ---------------------------------------------------------------------------------
 
 
@@ -124,32 +144,9 @@ def test_a_device_that_is_not_there_is_a_usage_error(capsys):
 def kernels_with(monkeypatch):
     """``install(op=wrong)``: amp_C, for the rest of the test, is the fallback with ``wrong`` for op."""
     def install(**wrong):
-        ops = {name: getattr(_torch_ops, name) for name in _torch_ops.__all__}
-        monkeypatch.setattr(mta, "amp_C", types.SimpleNamespace(cuda_available=lambda: False, **{**ops, **wrong}))
+        monkeypatch.setattr(mta, "amp_C", stand_in_amp_C(**wrong))
     with use_extension(True):
         yield install
-
-
-def flip_one_bit(op, argument=2, index=-1, bit=0):
-    """``op``, then one bit (the lowest by default) flipped in a middle element of
-    ``args[argument][index]`` (a list's middle tensor)."""
-    def wrong(*args):
-        returned = op(*args)
-        target = args[argument] if index is None else args[argument][index]
-        tensors = [t for t in (target if isinstance(target, list) else [target]) if t.numel() > 0]
-        if tensors:
-            t = tensors[len(tensors) // 2].view(-1)
-            bits = t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
-            bits[bits.numel() // 2] ^= 1 << bit
-        return returned
-    return wrong
-
-
-def ignore_the_flag(op):
-    """``op`` on a private flag: it neither raises the caller's flag nor obeys a set one."""
-    def wrong(chunk_size, noop_flag, *args):
-        return op(chunk_size, torch.zeros_like(noop_flag), *args)
-    return wrong
 
 
 @pytest.mark.parametrize("op, wrong", [
@@ -206,7 +203,9 @@ def test_the_command_exits_1_and_names_the_wrong_op_and_device(kernels_with, cap
     assert "[fail] multi_tensor_axpby on cpu" in out
     assert re.search(r"^  multi_tensor_axpby\s+fail\s*$", out, re.M)
     assert re.search(r"^  multi_tensor_scale\s+pass\s*$", out, re.M)
-    assert "amp.check: FAILED: 7 passed, 1 failed" in out
+    # amp's own first-use self-test, which amp.check shows too, finds it as well.
+    assert re.search(r"\[fail\] first-use self-test on cpu: \d+ cases, multi_tensor_axpby: .* with amp_C but", out)
+    assert "amp.check: FAILED: 7 passed, 2 failed" in out
     assert "  failed: multi_tensor_axpby on cpu: " in out
 
 
@@ -226,7 +225,7 @@ def test_a_kernel_s_fault_reaches_the_json(kernels_with, tmp_path):
     document = json.loads((tmp_path / "c.json").read_text())
     assert document["passed"] is False is report.passed
     failed = [(r["check"], r["device"]) for r in document["results"] if r["status"] == FAIL]
-    assert failed == [("update_scale_hysteresis", "cpu")]
+    assert failed == [("first-use self-test", "cpu"), ("update_scale_hysteresis", "cpu")]
 
 
 # ---- the environment report -------------------------------------------------------------------------
@@ -258,7 +257,8 @@ def test_a_gpu_the_build_has_no_code_for_takes_the_pytorch_path_with_how_to_rebu
     gpu = env["devices"][1]
     assert (gpu["device"], gpu["capability"], gpu["amp_C_covers"]) == ("cuda:0", "12.0", False)
     # Such a GPU takes the PyTorch path (a kernel launch would fail there), and the report says why.
-    assert all(op["path"] == "torch" and "TORCH_CUDA_ARCH_LIST=12.0" in op["reason"] for op in gpu["ops"])
+    assert all(op["path"] == "torch" and 'TORCH_CUDA_ARCH_LIST="8.0;9.0;12.0+PTX"' in op["reason"]
+               for op in gpu["ops"])
     assert mta._implementation("multi_tensor_scale", torch.device("cuda", 0)) is _torch_ops.multi_tensor_scale
     assert env["cpu"]["amp_C_path"].startswith("loops: baseline x86-64 clones")
     lines = "\n".join(environment.describe(env))
@@ -275,7 +275,25 @@ def test_the_report_says_why_amp_C_is_not_used(monkeypatch):
     assert "not available" in env["devices"][0]["ops"][0]["reason"]
     with use_extension(True):
         result = kernels.self_test("multi_tensor_scale", CPU, quick=True)
-    assert result.status == SKIP and "not available" in result.detail
+    assert result.status == SKIP and result.detail == "amp_C is not built"
+
+
+def test_without_amp_C_the_reason_is_said_once_and_the_pytorch_path_is_verified(monkeypatch):
+    monkeypatch.setattr(mta, "amp_C", None)
+    monkeypatch.setattr(mta, "_import_error", ImportError("No module named 'amp_C'"))
+    monkeypatch.setattr(mta.MultiTensorApply, "import_err", mta._import_error)
+    out = io.StringIO()
+    with use_extension(True):
+        report = amp.check.run(devices=["cpu"], quick=True, only=["kernels", "timing"], out=out)
+    text = out.getvalue()
+    assert report.passed and text.count("No module named 'amp_C'") == 1
+    assert text.count(mta._BUILD_HINT) == 1
+    assert [line for line in text.splitlines() if "[skip]" in line] == [
+        "  [skip] 9 checks (first-use self-test ... multi_tensor_adam) on cpu: amp_C is not built",
+        "  [skip] unscale timing on cpu: for the reason above"]
+    assert re.search(r"^  amp_C kernels \(9 checks\)\s+skip\s*$", text, re.M)
+    assert text.splitlines()[-1].startswith("amp.check: PASSED: the PyTorch path is verified (")
+    assert text.splitlines()[-1].endswith("amp_C's kernels were not checked (amp_C is not built)")
 
 
 # ---- training steps and amp's state --------------------------------------------------------------
@@ -308,3 +326,51 @@ def test_the_summary_has_a_column_per_device():
     assert re.search(r"^  multi_tensor_scale\s+pass\s+fail\s*$", table, re.M)
     assert re.search(r"^  unscale timing\s+pass 1.50x\s+skip\s*$", table, re.M)
     assert "FAILED: 2 passed, 1 failed, 1 skipped" in table and "failed: multi_tensor_scale on cuda:0: bits" in table
+
+
+# ---- the GPU's current stream and a second GPU ------------------------------------------------------
+
+
+def test_the_gpu_checks_make_no_rows_for_the_cpu():
+    assert gpus.checks(CPU, []) == []
+
+
+@pytest.mark.parametrize("index, other", [(0, 1), (1, 0), (2, None)])
+def test_the_first_two_gpus_are_each_checked_with_the_other_current(index, other):
+    devices = [torch.device("cuda", i) for i in range(3)]
+    assert gpus._other(devices[index], devices) == (None if other is None else devices[other])
+
+
+def test_where_amp_C_does_not_serve_a_gpu_its_checks_are_skipped_by_name(kernels_with, monkeypatch):
+    kernels_with()
+    monkeypatch.setattr(mta, "_extension_cuda", False)
+    results = gpus.checks(torch.device("cuda", 1), [torch.device("cuda", 0), torch.device("cuda", 1)])
+    assert [(r.check, r.device, r.status) for r in results] == [
+        ("current stream", "cuda:1", SKIP), (f"first-use self-test, {gpus.OTHER_CURRENT}", "cuda:1", SKIP),
+        (f"O2 step, {gpus.OTHER_CURRENT}", "cuda:1", SKIP)]
+    assert all(r.detail == "amp runs the PyTorch fallback here (amp_C was built without CUDA kernels)"
+               for r in results)
+
+
+@pytest.mark.cuda
+def test_the_gpu_checks_pass_on_this_machine():
+    report = amp.check.run(quick=True, only=["gpus"], quiet=True)
+    assert report.passed, report.summary()
+    checks = {(r.check, r.device) for r in report.results if r.status == PASS}
+    count = torch.cuda.device_count()
+    assert {("current stream", f"cuda:{i}") for i in range(count)} <= checks
+    if count > 1:
+        assert {(f"O2 step, {gpus.OTHER_CURRENT}", f"cuda:{i}") for i in (0, 1)} <= checks
+
+
+@pytest.mark.parametrize("driver, amp_runtime, says", [
+    ("13.0", "13.0", None),
+    ("13.0", "13.2", "it runs by CUDA's minor version compatibility, but this driver cannot JIT-compile its PTX"),
+    ("12.8", "13.0", "its kernels cannot run here"),
+])
+def test_the_report_sets_amp_C_s_runtime_beside_the_driver_s(driver, amp_runtime, says):
+    lines = environment._cuda_lines("13.0", driver, amp_runtime)
+    assert lines[0] == (f"  CUDA: driver supports {driver}; torch's runtime 13.0; amp_C's runtime {amp_runtime} "
+                        "(linked in statically)")
+    assert (len(lines) == 1) if says is None else (says in lines[1] and f"CUDA {driver} toolkit" in lines[1])
+    assert environment._cuda_lines(None, None, None) == []

@@ -62,18 +62,28 @@ gpu_check: phase fused_ops exit 0 after 30 s
 """
 TRAIN_STEP_OK = "gpu: medians over rounds\ngpu_check: phase train_step exit 0 after 60 s\n"
 CHECK_OK = "amp.check: PASSED: 26 passed, 0 failed, 0 skipped in 41.0 s\ngpu_check: phase check exit 0 after 48 s\n"
+CHECK_EAGER_OK = "amp.check: PASSED: 12 passed, 0 failed, 0 skipped in 9.0 s\ngpu_check: phase check_eager exit 0 after 12 s\n"
 
 
-def check_report(**statuses):
-    """check.json with every check passed on cpu and cuda:0, but ``statuses[(check, device)]``."""
+SECOND_GPU = [f"first-use self-test, {summary.OTHER_CURRENT}", f"O2 step, {summary.OTHER_CURRENT}"]
+
+
+def check_report(gpus=1, **statuses):
+    """check.json with every check passed on cpu and ``gpus`` GPUs, but ``statuses[(check, device)]``."""
+    devices = ["cpu"] + [f"cuda:{i}" for i in range(gpus)]
     results = []
-    for device in ("cpu", "cuda:0"):
-        for check in ("multi_tensor_scale", "multi_tensor_adam", "O2 step", "unscale timing"):
+    for device in devices:
+        checks = ["multi_tensor_scale", "multi_tensor_adam", "O2 step", "unscale timing"]
+        if device != "cpu":
+            checks += ["current stream"] + (SECOND_GPU if gpus > 1 else [])
+        for check in checks:
             status = statuses.get(f"{check}@{device}", "pass")
             ratio = 2.5 if check == "unscale timing" and status == "pass" else None
             results.append({"check": check, "device": device, "status": status, "cases": 3,
                             "detail": f"{status} detail", "seconds": 0.1, "ratio": ratio})
-    return json.dumps({"passed": "fail" not in statuses.values(), "results": results})
+    return json.dumps({"passed": "fail" not in statuses.values(), "results": results,
+                       "versions": {"torch_cuda": "13.0", "cuda_driver": "13.1"},
+                       "amp_C": {"cuda_runtime": "13.0"}, "devices": [{"device": d} for d in devices]})
 
 
 def train_step_report(o2_step=9.0, o2_peak=900.0):
@@ -84,6 +94,7 @@ def train_step_report(o2_step=9.0, o2_peak=900.0):
 
 def write_logs(out, **logs):
     defaults = {"build.log": BUILD_OK, "check.log": CHECK_OK, "check.json": check_report(),
+                "check_eager.log": CHECK_EAGER_OK, "check_eager.json": check_report(),
                 "cuda_tests.log": CUDA_TESTS_OK, "cpu_suite.log": CPU_SUITE_OK,
                 "unscale.log": UNSCALE_OK, "fused_ops.log": FUSED_OPS_OK, "train_step.log": TRAIN_STEP_OK,
                 "train_step.json": train_step_report()}
@@ -124,7 +135,7 @@ def test_without_a_gpu_the_script_exits_with_a_message_and_builds_nothing(tmp_pa
     assert "no CUDA GPU is visible to PyTorch" in result.stderr
     assert "setup.py" not in calls.read_text()
     table = (out / "summary.md").read_text()
-    assert table.count("| not run |") == 9 and "| met |" not in table
+    assert table.count("| not run |") == 11 and "| met |" not in table
 
 
 @pytest.mark.slow
@@ -222,7 +233,8 @@ def test_unmeasured_peak_memory_is_not_run(tmp_path):
 
 def test_left_out_test_files_are_listed_with_the_missing_package(tmp_path):
     note = "gpu_check: not run: tests/test_examples.py (sklearn is not installed)\n"
-    write_logs(tmp_path, cpu_suite_log=note + CPU_SUITE_OK, cuda_tests_log=note + CUDA_TESTS_OK)
+    write_logs(tmp_path, cpu_suite_log=note + CPU_SUITE_OK, cuda_tests_log=note + CUDA_TESTS_OK,
+               check_json=check_report(gpus=2))
     _, notes, markdown = summary.summarize(tmp_path)
     assert notes == ["tests/test_examples.py (sklearn is not installed)"]
     assert "- tests/test_examples.py (sklearn is not installed)" in markdown
@@ -272,7 +284,7 @@ def test_amp_check_passing_on_the_gpu_is_met_with_its_unscale_ratio(tmp_path):
     write_logs(tmp_path)
     check = row(tmp_path, "amp.check")
     assert check.status == summary.MET
-    assert check.result == "8 passed, 0 failed, 0 skipped; unscale 2.50x PyTorch's on cuda:0"
+    assert check.result == "9 passed, 0 failed, 0 skipped; unscale 2.50x PyTorch's on cuda:0"
 
 
 def test_amp_check_failures_are_not_met_and_named_with_their_device(tmp_path):
@@ -281,7 +293,7 @@ def test_amp_check_failures_are_not_met_and_named_with_their_device(tmp_path):
                check_log=failed(CHECK_OK, "check", "amp.check: FAILED: 6 passed, 2 failed"))
     check = row(tmp_path, "amp.check")
     assert check.status == summary.NOT_MET
-    assert check.result == "6 passed, 2 failed, 0 skipped; failed: multi_tensor_adam on cuda:0, O2 step on cuda:0"
+    assert check.result == "7 passed, 2 failed, 0 skipped; failed: multi_tensor_adam on cuda:0, O2 step on cuda:0"
 
 
 def test_amp_check_skipping_a_gpu_check_is_not_met(tmp_path):
@@ -304,3 +316,47 @@ def test_the_summary_reads_the_json_amp_check_writes(tmp_path):
     write_logs(tmp_path, check_json=None)
     check = row(tmp_path, "amp.check")
     assert check.status == summary.NOT_MET and check.result.endswith("no CUDA device was checked")
+
+
+# ---- a second GPU, eager module loading, the CUDA versions (issue 27 item 7) -------------------------
+
+
+def test_two_gpus_each_checked_with_the_other_current_is_met(tmp_path):
+    write_logs(tmp_path, check_json=check_report(gpus=2))
+    second = row(tmp_path, "a second GPU")
+    assert second.status == summary.MET and second.result == "4 checks passed on cuda:0, cuda:1"
+    _, notes, _ = summary.summarize(tmp_path)
+    assert not any("second GPU" in note for note in notes)
+
+
+def test_a_failure_with_the_other_gpu_current_is_not_met(tmp_path):
+    write_logs(tmp_path, check_json=check_report(gpus=2, **{f"O2 step, {summary.OTHER_CURRENT}@cuda:1": "fail"}))
+    second = row(tmp_path, "a second GPU")
+    assert second.status == summary.NOT_MET
+    assert second.result == f"O2 step, {summary.OTHER_CURRENT} on cuda:1: fail (fail detail)"
+
+
+def test_one_gpu_leaves_the_second_gpu_row_out_with_a_note(tmp_path):
+    write_logs(tmp_path)
+    rows, notes, markdown = summary.summarize(tmp_path)
+    assert not any(r.check.startswith("a second GPU") for r in rows)
+    assert "- a second GPU: one GPU was checked, so tensors on cuda:1 with cuda:0 current did not run" in markdown
+    assert summary.main(["gpu_check_summary.py", str(tmp_path)]) == 0  # nothing else was missing
+
+
+def test_the_eager_loading_run_is_a_row_of_its_own(tmp_path):
+    write_logs(tmp_path, check_eager_log=failed(CHECK_EAGER_OK, "check_eager", "amp.check: FAILED"),
+               check_eager_json=check_report(**{"multi_tensor_scale@cuda:0": "fail"}))
+    eager = row(tmp_path, "CUDA_MODULE_LOADING=EAGER")
+    assert eager.status == summary.NOT_MET and "failed: multi_tensor_scale on cuda:0" in eager.result
+    assert row(tmp_path, "amp.check").status == summary.MET
+    write_logs(tmp_path, check_eager_log="gpu_check: phase check_eager not run: the 540 s budget was spent\n",
+               check_eager_json=None)
+    (tmp_path / "check_eager.json").unlink()
+    assert row(tmp_path, "CUDA_MODULE_LOADING=EAGER").status == summary.NOT_RUN
+
+
+def test_the_summary_names_the_three_cuda_versions(tmp_path):
+    write_logs(tmp_path)
+    _, _, markdown = summary.summarize(tmp_path)
+    assert "CUDA: driver supports 13.1, torch's runtime 13.0, amp_C's static runtime 13.0" in markdown

@@ -26,6 +26,7 @@ from amp.multi_tensor_apply import (
     multi_tensor_unscale_l2norm,
     update_scale_hysteresis,
     use_extension,
+    use_self_test,
 )
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -433,6 +434,8 @@ def test_update_scale_hysteresis_refuses_a_growth_interval_beyond_int32():
 # --- dispatch --------------------------------------------------------------------------------------
 
 def fake_amp_C(cuda):
+    # Its op does nothing, so amp's first-use self-test would reject it: the tests that call it
+    # turn the self-test off.
     calls = []
     module = types.SimpleNamespace(
         multi_tensor_scale=lambda *args: calls.append(args),
@@ -444,7 +447,7 @@ def fake_amp_C(cuda):
 def test_extension_serves_cpu_tensors_when_enabled(monkeypatch):
     module, calls = fake_amp_C(cuda=False)
     monkeypatch.setattr(mta, "amp_C", module)
-    with use_extension(True):
+    with use_extension(True), use_self_test(False):
         multi_tensor_applier(multi_tensor_scale, flag(), [[torch.zeros(2)], [torch.zeros(2)]], 1.0)
     assert len(calls) == 1 and calls[0][0] == CHUNK
 
@@ -462,7 +465,7 @@ def test_extension_without_cuda_kernels_does_not_serve_cuda_tensors(monkeypatch)
     module, _ = fake_amp_C(cuda=False)
     monkeypatch.setattr(mta, "amp_C", module)
     monkeypatch.setattr(mta, "_extension_cuda", False)
-    with use_extension(True):
+    with use_extension(True), use_self_test(False):
         on_cuda = mta._implementation("multi_tensor_scale", torch.device("cuda", 0))
         assert on_cuda is mta._pytorch_ops.multi_tensor_scale
         assert mta._implementation("multi_tensor_scale", torch.device("cpu")) is module.multi_tensor_scale
@@ -480,7 +483,7 @@ def test_a_missing_extension_is_reported_once(monkeypatch, caplog):
 def test_path_for_names_amp_C_where_the_ops_call_it(monkeypatch):
     module, calls = fake_amp_C(cuda=False)
     monkeypatch.setattr(mta, "amp_C", module)
-    with use_extension(True):
+    with use_extension(True), use_self_test(False):
         assert mta.path_for("multi_tensor_scale", "cpu") == ("amp_C", "amp_C serves cpu tensors")
         multi_tensor_applier(multi_tensor_scale, flag(), [[torch.zeros(2)], [torch.zeros(2)]], 1.0)
     assert len(calls) == 1
@@ -500,7 +503,7 @@ def test_path_for_gives_the_fallback_s_reasons(monkeypatch):
     module, _ = fake_amp_C(cuda=False)
     monkeypatch.setattr(mta, "amp_C", module)
     monkeypatch.setattr(mta, "_extension_cuda", False)
-    with use_extension(True):
+    with use_extension(True), use_self_test(False):
         assert mta.path_for("multi_tensor_scale", "cuda:0") == ("torch", "amp_C was built without CUDA kernels")
         assert mta.path_for("multi_tensor_scale", "meta") == ("torch", "amp_C has no kernels for meta tensors")
         # The fake module exports only multi_tensor_scale, as an amp_C built before an op existed.

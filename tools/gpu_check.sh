@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Proves amp's CUDA path in one call on a bare CUDA machine (PyTorch with CUDA, nvcc):
 # builds amp_C in place for the visible GPU only, runs `python -m amp.check` (the self-test of every
-# kernel on the GPU), `pytest -m cuda`, benchmarks/unscale.py and benchmarks/train_step.py on the
+# kernel on the GPU; with two GPUs, each with the other current), the same with the kernels loaded
+# eagerly (CUDA_MODULE_LOADING=EAGER), `pytest -m cuda`, benchmarks/unscale.py and benchmarks/train_step.py on the
 # GPU, then the CPU suite against the fresh amp_C, and writes the logs and summary.md (met / not
 # met / not run per figure) into OUT_DIR.
 #
@@ -29,8 +30,8 @@ BUDGET_S=${GPU_CHECK_BUDGET_S:-540}
 START=$SECONDS
 # The benchmarks import amp and the freshly built amp_C from the root, as pytest does.
 export PYTHONUNBUFFERED=1 PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-rm -f "$OUT"/{build,check,cuda_tests,cpu_suite,unscale,fused_ops,train_step}.log "$OUT"/{check,train_step}.json \
-    "$OUT"/summary.md
+rm -f "$OUT"/{build,check,check_eager,cuda_tests,cpu_suite,unscale,fused_ops,train_step}.log \
+    "$OUT"/{check,check_eager,train_step}.json "$OUT"/summary.md
 
 # A phase that runs out of time gets SIGINT, so that pytest still prints its summary line. A
 # shell that starts jobs in the background makes them ignore SIGINT, and Python keeps it
@@ -88,7 +89,7 @@ print(f"gpu_check: device {', '.join(names)}; torch {torch.__version__} (CUDA "
 EOF
     cat "$OUT/build.log" >&2
     echo "gpu_check: nothing was built or run; see $OUT/summary.md" >&2
-    for name in build check cuda_tests cpu_suite unscale fused_ops train_step; do
+    for name in build check check_eager cuda_tests cpu_suite unscale fused_ops train_step; do
         skip "$name" "$OUT/$name.log" "no CUDA GPU (see build.log)"
     done
     summarize >/dev/null
@@ -111,6 +112,10 @@ print('amp_C', amp_C.__file__, 'cuda_available()', ok); sys.exit(0 if ok else 1)
 # First the check a user runs after building: every kernel against the PyTorch fallback on the GPU
 # (and the CPU), amp's training steps, the environment report.
 phase check "$OUT/check.log" 120 "$PYTHON" -m amp.check --json "$OUT/check.json"
+# torch sets CUDA_MODULE_LOADING=LAZY where it is unset, so the run above loads amp_C's kernels
+# lazily (its static CUDA runtime reads the same variable); this one loads them all at once.
+phase check_eager "$OUT/check_eager.log" 90 env CUDA_MODULE_LOADING=EAGER "$PYTHON" -m amp.check --quick \
+    --only kernels --only gpus --json "$OUT/check_eager.json"
 
 # Test files whose imports are missing here would stop collection: leave them out, say why.
 PYTEST=("$PYTHON" -m pytest -q -rA -p no:cacheprovider)

@@ -1,7 +1,7 @@
 """Turns the logs that ``tools/gpu_check.sh`` leaves in its output folder into ``summary.md``.
 
-One row per figure the GPU check exists to produce (issues 12 and 20), each marked met, not met or not
-run, with the reason. The parsing lives here rather than in the shell script so that it can be
+One row per figure the GPU check exists to produce (issues 12, 20 and 27), each marked met, not met or
+not run, with the reason; with one GPU, the second-GPU row is left out and a note says so. The parsing lives here rather than in the shell script so that it can be
 tested on a machine without a GPU, from small synthetic logs.
 
     python tools/gpu_check_summary.py OUT_DIR    # prints the table; exit 0 only if every row is met
@@ -24,6 +24,7 @@ O2_VS_TORCH_GOAL = 1.0  # O2's step time and peak memory over autocast + GradSca
 
 SYNC_FREE_TEST = "tests/test_sync_free.py::test_cuda_fused_step_has_no_sync"
 TORCH_FP16, AMP_O2 = "autocast fp16 + GradScaler", "amp O2 (fp16)"
+OTHER_CURRENT = "with the other GPU current"  # how amp.check.gpus names its checks of a second GPU
 TIMED_OUT = (124, 137)  # timeout(1)'s codes: the limit's signal, then KILL
 
 MET, NOT_MET, NOT_RUN = "met", "not met", "not run"
@@ -100,10 +101,11 @@ def build_row(log):
     return Row(check, "built, CUDA kernels available", goal, MET)
 
 
-def check_row(log, report_text):
+def check_row(log, report_text, phase="check",
+              check="amp.check: every amp_C op, training step, stream check and timing on the GPU"):
     """``python -m amp.check`` (check.json): met when nothing failed and every check on the GPU ran."""
-    check, goal = "amp.check: every amp_C op, training step and timing on the GPU", "passes, none skipped on the GPU"
-    status, problem = phase_outcome(log, "check")
+    goal = "passes, none skipped on the GPU"
+    status, problem = phase_outcome(log, phase)
     if status == NOT_RUN or not report_text:
         return Row(check, problem or "no check.json", goal, NOT_RUN)
     try:
@@ -126,6 +128,40 @@ def check_row(log, report_text):
     if status != MET:
         return Row(check, f"{result} ({problem})", goal, NOT_MET)
     return Row(check, "; ".join([result, *ratios]), goal, MET)
+
+
+def second_gpu_row(report_text):
+    """The checks of ``amp.check.gpus`` with the other GPU current (check.json), or None where fewer
+    than two GPUs were checked (a note says so)."""
+    check = "a second GPU: the first-use self-test and an O2 step on cuda:1 with cuda:0 current, and the reverse"
+    goal = "passes on both GPUs"
+    if not report_text:
+        return Row(check, "no check.json", goal, NOT_RUN)
+    try:
+        document = json.loads(report_text)
+        gpus = [d["device"] for d in document["devices"] if d["device"].startswith("cuda")]
+        results = [(r["check"], r["device"], r["status"], r["detail"]) for r in document["results"]
+                   if r["check"].endswith(OTHER_CURRENT)]
+    except (ValueError, KeyError, TypeError) as err:
+        return Row(check, f"check.json is not what this summary reads: {err!r}", goal, NOT_RUN)
+    if len(gpus) < 2:
+        return None
+    devices = sorted({r[1] for r in results if r[2] == "pass"})
+    bad = [f"{r[0]} on {r[1]}: {r[2]} ({r[3]})" for r in results if r[2] != "pass"]
+    if bad or len(devices) < 2:
+        return Row(check, "; ".join(bad) or f"passed on {', '.join(devices) or 'no GPU'} only", goal, NOT_MET)
+    return Row(check, f"{len(results)} checks passed on {', '.join(devices)}", goal, MET)
+
+
+def cuda_versions(report_text):
+    """The CUDA versions check.json reports, in a line: amp_C's runtime is its own (static)."""
+    try:
+        document = json.loads(report_text)
+        driver, torch_cuda = document["versions"]["cuda_driver"], document["versions"]["torch_cuda"]
+        amp_runtime = document["amp_C"]["cuda_runtime"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return f"driver supports {driver}, torch's runtime {torch_cuda}, amp_C's static runtime {amp_runtime}"
 
 
 def sync_free_row(log):
@@ -200,9 +236,15 @@ def train_step_rows(log, report_text):
 def summarize(out_dir):
     """(rows, notes, markdown) for the logs in ``out_dir``."""
     logs = {name: read(out_dir, f"{name}.log")
-            for name in ("build", "check", "cuda_tests", "cpu_suite", "unscale", "fused_ops", "train_step")}
+            for name in ("build", "check", "check_eager", "cuda_tests", "cpu_suite", "unscale", "fused_ops",
+                         "train_step")}
+    report = read(out_dir, "check.json")
+    second_gpu = second_gpu_row(report)
     rows = [build_row(logs["build"]),
-            check_row(logs["check"], read(out_dir, "check.json")),
+            check_row(logs["check"], report),
+            *([second_gpu] if second_gpu is not None else []),
+            check_row(logs["check_eager"], read(out_dir, "check_eager.json"), "check_eager",
+                      "CUDA_MODULE_LOADING=EAGER: amp.check's kernels and GPU checks"),
             tests_row("CUDA tests (pytest -m cuda)", logs["cuda_tests"], "cuda_tests"),
             sync_free_row(logs["cuda_tests"]),
             tests_row("CPU suite against amp_C (pytest -m 'not cuda')", logs["cpu_suite"], "cpu_suite"),
@@ -210,8 +252,12 @@ def summarize(out_dir):
             *fused_ops_rows(logs["fused_ops"]),
             *train_step_rows(logs["train_step"], read(out_dir, "train_step.json"))]
     notes = sorted({note for log in logs.values() for note in LEFT_OUT.findall(log)})
+    if second_gpu is None:
+        notes.append("a second GPU: one GPU was checked, so tensors on cuda:1 with cuda:0 current did not run")
     device = DEVICE.search(logs["build"])
+    versions = cuda_versions(report)
     lines = ["# GPU check", "", f"Device: {device.group(1) if device else 'unknown'}", "",
+             *([f"CUDA: {versions}", ""] if versions else []),
              "| check | result | goal | status |", "| --- | --- | --- | --- |"]
     lines += [f"| {r.check} | {r.result} | {r.goal} | {r.status} |" for r in rows]
     if notes:

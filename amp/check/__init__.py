@@ -13,22 +13,32 @@ It prints the versions (amp, torch, the CUDA runtime torch was built with, nvcc,
 paths its CPU kernels take on this CPU, and per device which path each op takes (``amp_C`` or
 the PyTorch fallback) and why. Then, per device:
 
-* every ``amp_C`` op against the PyTorch fallback (``amp.check.kernels``), bit for bit (the
-  l2norm family's norms within ``amp.check.kernels.NORM_RTOL``), the overflow flag exactly;
+* amp's first-use self-test (``amp.check.first_use``: the few cases amp itself runs before it
+  trusts ``amp_C`` on a device), then every ``amp_C`` op against the PyTorch fallback
+  (``amp.check.kernels``), bit for bit (the l2norm family's norms within
+  ``amp.check.kernels.NORM_RTOL``), the overflow flag exactly;
 * training steps through amp, O1, O2 and O2 with each fused optimizer, against the PyTorch path
   (``amp.check.training``);
+* on each GPU, that amp_C's kernels run on torch's current stream and leave the current device
+  alone, and with two GPUs, the first-use self-test and an O2 step on each while the other is
+  the current device (``amp.check.gpus``);
 * a timing of the fused unscale against PyTorch's (``amp.check.timing``), as a ratio.
 
 A summary table says pass, fail or skip per check and device. A check is skipped where amp does
 not use ``amp_C`` (not built, ``AMP_DISABLE_EXTENSION=1``, no CUDA kernels): then the fallback
-serves, and the training steps still run. Exit status: 0 when nothing failed, 1 when a check
-failed, 2 for a usage error (argparse's) or a JSON file that cannot be written.
+serves, the training steps still run, and the verdict says that the PyTorch path was verified
+and why the kernels were not checked. The kernels and the training steps run ``amp_C`` as built,
+whatever amp's first-use self-test decided in this process. Exit status: 0 when nothing failed,
+1 when a check failed, 2 for a usage error (argparse's: an unknown flag or device, a JSON file
+that cannot be written).
 
-Nothing in ``amp`` imports this package.
+``amp.multi_tensor_apply`` imports ``amp.check.first_use`` when it first tests a device; nothing
+else in ``amp`` imports this package.
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -37,12 +47,14 @@ from typing import IO, List, Optional, Sequence
 
 import torch
 
-from . import environment, kernels, timing, training
-from .report import FAIL, PASS, SKIP, Report, Result
+from amp import multi_tensor_apply as mta
+
+from . import environment, gpus, kernels, timing, training
+from .report import FAIL, KERNELS, PASS, SKIP, Report, Result
 
 __all__ = ["run", "main", "Report", "Result", "PASS", "FAIL", "SKIP", "SECTIONS"]
 
-SECTIONS = ("kernels", "training", "timing")
+SECTIONS = ("kernels", "training", "gpus", "timing")
 
 
 def _check_json_path(path: str) -> None:
@@ -61,8 +73,13 @@ def _devices(names: Optional[Sequence[str]]) -> List[torch.device]:
         return environment.visible_devices()
     devices = []
     for name in names:
-        device = torch.device(name)
-        if device.type == "cuda":
+        try:
+            device = torch.device(name)
+        except RuntimeError as err:  # torch's message lists every device type it knows
+            raise ValueError(f"--device {name!r} is not a device name; use cpu, cuda or cuda:N") from err
+        if device.type == "cpu":
+            device = torch.device("cpu")  # one CPU, whatever index was written
+        elif device.type == "cuda":
             if not torch.cuda.is_available():
                 raise ValueError(f"--device {name}: PyTorch sees no CUDA device "
                                  f"(torch {torch.__version__}, CUDA {torch.version.cuda})")
@@ -112,20 +129,31 @@ def run(devices: Optional[Sequence[str]] = None, quick: bool = False, json_path:
     report = Report(environment.collect(targets), quick)
     for line in environment.describe(report.environment):
         say(line)
-    if "kernels" in sections:
-        say("amp.check: amp_C kernels against the PyTorch fallback")
-        for device in targets:
-            for op in environment.OPS:
-                report.add(kernels.self_test(op, device, quick), stream)
-    if "training" in sections:
-        say("amp.check: training steps, amp's path against PyTorch's")
-        for device in targets:
-            for name in training.checks(quick):
-                report.add(training.training_check(name, device), stream)
-    if "timing" in sections:
-        say("amp.check: fused unscale against PyTorch's")
-        for device in targets:
-            report.add(timing.unscale_timing(device, quick), stream)
+    # amp.check tests every kernel itself, and its training steps must run the kernels as built:
+    # amp's first-use self-test would put a wrong one aside before they could catch it.
+    with mta.use_self_test(False):
+        if "kernels" in sections:
+            say("amp.check: amp_C kernels against the PyTorch fallback")
+            for device in targets:
+                tests = itertools.chain([kernels.first_use_test(device)],
+                                        (kernels.self_test(op, device, quick) for op in environment.OPS))
+                report.add_all(tests, stream, KERNELS)
+        if "training" in sections:
+            say("amp.check: training steps, amp's path against PyTorch's")
+            for device in targets:
+                for name in training.checks(quick):
+                    report.add(training.training_check(name, device), stream, "training steps")
+        if "gpus" in sections:
+            say("amp.check: the GPU's current stream and device, and a second GPU")
+            gpu_targets = [device for device in targets if device.type == "cuda"]
+            if not gpu_targets:
+                say("  (no GPU is being checked)")
+            for device in gpu_targets:
+                report.add_all(gpus.checks(device, gpu_targets), stream, "gpus")
+        if "timing" in sections:
+            say("amp.check: fused unscale against PyTorch's")
+            for device in targets:
+                report.add(timing.unscale_timing(device, quick), stream, "timing")
     report.seconds = time.perf_counter() - start
     say("amp.check: summary")
     say(report.summary())

@@ -7,6 +7,7 @@ GPU, and, per device and op, ``amp_C`` or the PyTorch fallback and why. The choi
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import platform
 import re
@@ -50,11 +51,31 @@ def _nvcc_version() -> Optional[str]:
     return f"{match.group(1)} ({nvcc})" if match else f"unknown ({nvcc})"
 
 
+def _cuda_driver() -> Optional[str]:
+    """The newest CUDA the installed driver supports ("13.0"), or None without one (Linux only).
+
+    Asked of the driver library itself: it needs no GPU and starts no CUDA context."""
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    version = ctypes.c_int(0)
+    if driver.cuDriverGetVersion(ctypes.byref(version)) != 0 or version.value <= 0:
+        return None
+    return f"{version.value // 1000}.{version.value % 1000 // 10}"
+
+
+def _version_tuple(version: Optional[str]) -> Optional[Tuple[int, ...]]:
+    match = re.match(r"(\d+)\.(\d+)", version or "")
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
 def _versions() -> Dict[str, Any]:
     return {
         "amp": amp.__version__,
         "torch": torch.__version__,
         "torch_cuda": torch.version.cuda,
+        "cuda_driver": _cuda_driver(),
         "nvcc": _nvcc_version(),
         "python": platform.python_version(),
         "platform": platform.platform(),
@@ -71,6 +92,7 @@ def _extension() -> Tuple[Dict[str, Any], Dict[str, Any]]:
         "file": getattr(ext, "__file__", None),
         "error": None if ext is not None or error is None else str(error),
         "cuda_kernels": info.get("cuda_kernels"),
+        "cuda_runtime": info.get("cuda_runtime"),
         "cuda_available": bool(ext.cuda_available()) if ext is not None else None,
         # None: unknown (an amp_C built before it recorded them); [] without CUDA kernels.
         "cuda_images": info.get("cuda_images"),
@@ -144,6 +166,24 @@ def collect(devices: Sequence[torch.device]) -> Dict[str, Any]:
     return env
 
 
+def _cuda_lines(torch_cuda: Optional[str], driver: Optional[str], amp_runtime: Optional[str]) -> List[str]:
+    """The CUDA versions side by side: amp_C links its own runtime statically (see setup.py), so
+    one process holds two runtimes, torch's and amp_C's, on one driver."""
+    if torch_cuda is None and driver is None and amp_runtime is None:
+        return []
+    lines = [f"  CUDA: driver supports {driver or 'none found'}; torch's runtime {torch_cuda or 'none'}; "
+             f"amp_C's runtime {amp_runtime + ' (linked in statically)' if amp_runtime else 'none'}"]
+    newer, supported = _version_tuple(amp_runtime), _version_tuple(driver)
+    if newer is not None and supported is not None and newer > supported:
+        same_major = newer[0] == supported[0]
+        lines.append(f"    amp_C's runtime {amp_runtime} is newer than this driver's {driver}: "
+                     + ("it runs by CUDA's minor version compatibility, but this driver cannot JIT-compile "
+                        "its PTX, so a GPU amp_C holds no SASS for fails amp's first-use self-test there"
+                        if same_major else "its kernels cannot run here")
+                     + f"; update the driver, or build amp_C with a CUDA {driver} toolkit")
+    return lines
+
+
 def describe(env: Dict[str, Any]) -> List[str]:
     """The environment as the lines printed at the top of the report."""
     v, ext, cpu = env["versions"], env["amp_C"], env["cpu"]
@@ -158,7 +198,10 @@ def describe(env: Dict[str, Any]) -> List[str]:
         lines.append(f"  amp_C: built ({ext['file']}); CUDA kernels: {kernels} (images: {images}); "
                      f"cuda_available(): {ext['cuda_available']}")
     else:
-        lines.append(f"  amp_C: not built ({ext['error']})")
+        lines.append(f"  amp_C: not built ({ext['error']}): amp runs the PyTorch ops everywhere (the same "
+                     "results, slower), and the checks of amp_C's kernels are skipped")
+        lines.append(f"    build it with {mta._BUILD_HINT}")
+    lines += _cuda_lines(v["torch_cuda"], v["cuda_driver"], ext.get("cuda_runtime"))
     flags = "unknown" if cpu["flags"] is None else (" ".join(cpu["flags"]) or "none of interest")
     lines.append(f"  CPU: {cpu['name']}; flags: {flags}; torch's CPU capability: {cpu['torch_capability']}")
     lines.append(f"  amp_C CPU kernels: {cpu['amp_C_path']}")
@@ -173,6 +216,11 @@ def describe(env: Dict[str, Any]) -> List[str]:
                      f"amp_C code for it: {cover}")
     lines.append("  paths (device, op: path, why):")
     for device in env["devices"]:
-        for op in device["ops"]:
+        ops = device["ops"]
+        if len(ops) > 1 and len({(op["path"], op["reason"]) for op in ops}) == 1:
+            # One reason, said once; a missing amp_C's import error is above.
+            reason = ops[0]["reason"] if ext["built"] else "amp_C is not built"
+            ops = [{**ops[0], "op": f"all {len(ops)} ops", "reason": reason}]
+        for op in ops:
             lines.append(f"    {device['device']:<7} {op['op']:<28} {op['path']:<6} {op['reason']}")
     return lines

@@ -15,6 +15,8 @@ import torch
 
 from amp import _pytorch_ops
 
+from .report import error_line
+
 __all__ = ["NORM_RTOL", "Observation", "Op", "Case", "call", "compare", "dtype_name"]
 
 # The documented agreement of the l2norm family with the fallback (README, "Check your
@@ -118,7 +120,7 @@ def compare(case: Case, kernel: Op, fallback: Op) -> Optional[str]:
             if observed and observed[0][1].is_cuda:
                 torch.cuda.synchronize(observed[0][1].device)  # a launch failure surfaces here
         except Exception as err:  # noqa: BLE001 - any error is the finding, named in the report
-            return f"{case.label}: {who} raised {type(err).__name__}: {str(err).strip().splitlines()[0]}"
+            return f"{case.label}: {who} raised {error_line(err)}"
         results.append(observed)
     ours, theirs = results
     if [name for name, _, _ in ours] != [name for name, _, _ in theirs]:

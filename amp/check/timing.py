@@ -18,7 +18,8 @@ from amp import multi_tensor_apply as mta
 from amp._compat import non_finite_check_and_unscale_
 
 from .kernel_cases import AMP_CHUNK
-from .report import FAIL, PASS, SKIP, Result
+from .kernels import skip_reason
+from .report import FAIL, PASS, SKIP, Result, error_line
 
 __all__ = ["unscale_timing"]
 
@@ -52,9 +53,9 @@ def seconds_per_call(fn: Callable[[], object], device: torch.device, inner: int 
 def unscale_timing(device: torch.device, quick: bool = False) -> Result:
     """Time amp_C's fused unscale against PyTorch's on ``device`` (a skip where amp_C is not used)."""
     name = "unscale timing"
-    path, reason = mta.path_for("multi_tensor_scale", device)
-    if path != "amp_C":
-        return Result(name, str(device), SKIP, f"amp runs the PyTorch fallback here ({reason})")
+    reason = skip_reason("multi_tensor_scale", device)
+    if reason is not None:
+        return Result(name, str(device), SKIP, reason)
     start = time.perf_counter()
     gen = torch.Generator().manual_seed(0)
     grads = [(torch.randn(n, generator=gen) * 1024).half().to(device) for n in _shapes(device, quick)]
@@ -82,8 +83,8 @@ def unscale_timing(device: torch.device, quick: bool = False) -> Result:
         equal = all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(ours, theirs))
         equal = equal and flag.item() == 0 and found_inf.item() == 0
     except Exception as err:  # noqa: BLE001 - any error is the finding, named in the report
-        return Result(name, str(device), FAIL, f"raised {type(err).__name__}: "
-                      f"{str(err).strip().splitlines()[0]}", 1, time.perf_counter() - start)
+        return Result(name, str(device), FAIL, f"raised {error_line(err)}", 1,
+                      time.perf_counter() - start)
     seconds = time.perf_counter() - start
     elements = sum(g.numel() for g in grads)
     if not equal:

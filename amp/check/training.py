@@ -27,7 +27,7 @@ from amp import _pytorch_ops
 from amp._amp_state import AmpState, _amp_state
 from amp.multi_tensor_apply import path_for, use_extension
 
-from .report import FAIL, PASS, SKIP, Result
+from .report import FAIL, PASS, SKIP, Result, error_line
 
 __all__ = ["CHECKS", "checks", "training_check", "amp_in_use"]
 
@@ -187,8 +187,8 @@ def training_check(name: str, device: torch.device) -> Result:
             theirs = _amp_run(opt_level, amp_optimizer, device, fallback=True) if uses_amp_C else ours
         reference = _reference(torch_optimizer, device)
     except Exception as err:  # noqa: BLE001 - any error is the finding, named in the report
-        return Result(name, str(device), FAIL, f"raised {type(err).__name__}: "
-                      f"{str(err).strip().splitlines()[0]}", 1, time.perf_counter() - start)
+        return Result(name, str(device), FAIL, f"raised {error_line(err)}", 1,
+                      time.perf_counter() - start)
     seconds = time.perf_counter() - start
     problem = _first_difference(ours, theirs)
     skipped = int(ours["skipped steps"][0].item())

@@ -204,6 +204,10 @@ class LossScaler(ApexLossScalerNames):
         """A copy of the current scale: 0-dim float32, on the device where it lives, read without a sync."""
         return self._on_device.scale.detach().clone().view(())
 
+    def grads_scale(self) -> Scalar:
+        """The scale the grads of a backward ending now carry: a copy of a dynamic scale, or the static one."""
+        return self.scale_tensor_copy() if self.dynamic else self.loss_scale()
+
     def found_inf(self) -> torch.Tensor:
         """The overflow flag of the current backward: 1-element float32, > 0 once grads overflowed."""
         return self._on_device.overflow
@@ -320,6 +324,9 @@ class ScaledBy:
 
     def __init__(self, scaler: LossScaler, scale: torch.Tensor) -> None:
         self.scaler, self.scale = scaler, scale
+
+    def grads_scale(self) -> torch.Tensor:
+        return self.scale
 
     def unscale_into(self, model_grads: Sequence[torch.Tensor], master_grads: Sequence[torch.Tensor],
                      models_are_masters: bool = False) -> None:

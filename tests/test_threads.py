@@ -143,3 +143,36 @@ def test_an_outer_block_unscales_by_its_own_scale_after_a_nested_block_changed_t
         assert amp.loss_scale(0, optimizers[0]) == 2.0**15  # the outer loss was multiplied by 2**16
     assert_identical([p.grad for p in amp.master_params(optimizers[0])],
                      [p.grad for p in amp.master_params(expected_optimizers[0])])
+
+
+def _fused_sgd(params):
+    return amp.optimizers.FusedSGD(params, lr=0.1, momentum=0.9, materialize_master_grads=False)
+
+
+def _fused_adam(params):
+    return amp.optimizers.FusedAdam(params, lr=1e-3, materialize_master_grads=False)
+
+
+@pytest.mark.parametrize("make_optimizer", [sgd, _fused_sgd, _fused_adam], ids=["SGD", "FusedSGD", "FusedAdam"])
+def test_an_outer_backward_after_a_nested_block_changed_the_scale_steps_as_if_alone(make_optimizer):
+    # The outer loss still needs, in its backward, the scale it was multiplied by: the nested
+    # block's exit halves the scaler's own scale in place. The fused optimizers that read the
+    # model's grads divide out the outer block's scale, not the scale after the inner block.
+    def pair():
+        models = [net(seed=1), net(seed=2)]
+        optimizers = [make_optimizer(m.parameters()) for m in models]
+        return amp.initialize(models, optimizers, opt_level="O2", verbosity=0)
+
+    models, optimizers = pair()
+    expected_models, expected_optimizers = pair()
+    with amp.scale_loss(loss_of(expected_models[0](batch(0))), expected_optimizers[0]) as loss:
+        loss.backward()
+    expected_optimizers[0].step()
+    with amp.scale_loss(loss_of(models[0](batch(0))), optimizers[0]) as outer:
+        with amp.scale_loss(loss_of(models[1](batch(1))), optimizers[1]) as inner:
+            inner.backward()
+            poison_grad(models[1].fc1.weight)
+        assert amp.loss_scale(0, optimizers[0]) == 2.0**15
+        outer.backward()
+    optimizers[0].step()
+    assert_identical(snapshot(models[0], optimizers[0]), snapshot(expected_models[0], expected_optimizers[0]))

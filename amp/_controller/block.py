@@ -146,7 +146,10 @@ def scale_loss_block(context: AmpContext, optimizers: Sequence[Any], scaler: Los
         _check_no_shared_params(controllers)
     block = _begin_backward(controllers, not delay_unscale, scaler, loss_id)
     try:
-        yield loss.float() * scaler.scale_tensor(loss.device)
+        scale = scaler.scale_tensor(loss.device)
+        # A dynamic scale changes in place at the exit of a block nested in this one, and this
+        # loss's backward (after that exit) needs the scale it was multiplied by: a copy.
+        yield loss.float() * (scale if block is None else scale.clone())
         _unscale_and_check(controllers, context, scaler, loss_id, delay_unscale, delay_overflow_check, block)
     except BaseException:
         # Optimizers whose gradients were not unscaled get back those from before the block.

@@ -35,6 +35,7 @@ import torch
 
 from .._compat import foreach_norm
 from ..multi_tensor_apply import Scalar, multi_tensor_applier, multi_tensor_axpby, multi_tensor_scale
+from ..scaler import ScaledBy, Unscaler
 from .grads import GradStash, MasterGrads, put_back, set_aside
 from .masters import Masters
 from .phase import Phase, combine_flags
@@ -222,10 +223,10 @@ class FusedMasterWeights:
         put_back(self.low_params, self.low_slots)
         self.fp32.put_back()
 
-    def unscale_grads(self, scaler: Any, earlier_flags: Sequence[torch.Tensor]) -> None:
+    def unscale_grads(self, unscaler: Unscaler, earlier_flags: Sequence[torch.Tensor]) -> None:
         """Check the new low-precision grads and bring every grad to one scale; nothing is unscaled."""
         if self.reads_master_grads:
-            return self.plain.unscale_grads(scaler, earlier_flags)
+            return self.plain.unscale_grads(unscaler, earlier_flags)
         fresh, new, old, alone = [], [], [], []
         for param in self.low_params:
             if param.grad is not None and param.grad.is_sparse:
@@ -245,7 +246,9 @@ class FusedMasterWeights:
             else:
                 new.append(param.grad)
                 old.append(stashed)
-        scale = scaler.scale_tensor_copy() if scaler.dynamic else scaler.loss_scale()
+        # Under a block nested in this one, ``unscaler`` holds the scale this block's loss was multiplied by.
+        scale = unscaler.grads_scale()
+        scaler = unscaler.scaler if isinstance(unscaler, ScaledBy) else unscaler
         optimizer = self.optimizer
         earlier = optimizer.most_recent_scale if optimizer.scale_set_by_backward else None
         if scaler.dynamic and (fresh or new):
@@ -258,7 +261,7 @@ class FusedMasterWeights:
             self._combine(scaler, scale, earlier, out_scale, fresh, new, old, alone, earlier_flags)
         optimizer.most_recent_scale = out_scale
         optimizer.scale_set_by_backward = True
-        self.fp32.unscale(scaler)
+        self.fp32.unscale(unscaler)
         self._stand_in_for_master_grads()
 
     def _stand_in_for_master_grads(self) -> None:

@@ -4,7 +4,7 @@ The distribution ``amp-torch`` installs the packages ``amp`` and ``fp16_utils``.
 install is pure Python and needs no compiler. ``AMP_CPP_EXT=1`` builds ``amp_C`` with the CPU
 kernels; ``AMP_CUDA_EXT=1`` adds the CUDA kernels. Both need the PyTorch you already have, so
 build with ``pip install --no-build-isolation`` (from a checkout, ``.``; from the sdist of an
-installed amp-torch, the command in the README's "Building the fused kernels").
+installed amp-torch, the command in docs/reference.md, "Building the fused kernels").
 
 How the CUDA part is built: the ``.cu`` files include only the CUDA runtime and
 ``csrc/amp_C_kernels.h`` (raw pointers, sizes, dtype tags, an opaque stream), never PyTorch, so

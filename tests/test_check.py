@@ -1,5 +1,5 @@
 """``python -m amp.check`` passes on this machine with and without amp_C, fails naming the op and
-device when a kernel is wrong, and writes the JSON fields the README lists.
+device when a kernel is wrong, and writes the JSON fields docs/reference.md lists.
 
 A wrong kernel is made on purpose: a stand-in ``amp_C`` whose ops are the PyTorch fallback's,
 one of them wrapped to flip one output bit, ignore the flag, or raise.
@@ -52,10 +52,10 @@ def fields(value, prefix=""):
         yield prefix
 
 
-def readme_fields():
-    """The fields the README's "Check your installation" table lists."""
-    readme = (REPO / "README.md").read_text()
-    section = readme.split("## Check your installation", 1)[1].split("\n## ", 1)[0]
+def documented_fields():
+    """The fields the "Check your installation" table of docs/reference.md lists."""
+    reference = (REPO / "docs" / "reference.md").read_text()
+    section = reference.split("## Check your installation", 1)[1].split("\n## ", 1)[0]
     rows = [line for line in section.splitlines() if line.startswith("| `")]
     return {name for row in rows for name in re.findall(r"`([^`]+)`", row.split("|")[1])}
 
@@ -69,7 +69,7 @@ def test_the_quick_command_passes_and_writes_the_readme_s_fields(tmp_path, monke
     status, output, document = command(tmp_path, **env)
     assert status == 0, output
     assert document is not None and document["passed"] is True and document["quick"] is True
-    assert set(fields(document)) == readme_fields()
+    assert set(fields(document)) == documented_fields()
     assert "amp.check: PASSED" in output and "check.json" in output
     results = {(r["check"], r["device"]): r for r in document["results"]}
     for key, value in env.items():  # this process as the command's saw it
@@ -95,7 +95,7 @@ def test_the_quick_command_passes_and_writes_the_readme_s_fields(tmp_path, monke
 
 
 def test_the_readme_table_names_every_field_once():
-    assert {"passed", "amp_C.cuda_images", "devices[].ops[].reason", "results[].status"} <= readme_fields()
+    assert {"passed", "amp_C.cuda_images", "devices[].ops[].reason", "results[].status"} <= documented_fields()
 
 
 def test_an_unknown_flag_prints_the_usage(capsys):

@@ -4,7 +4,7 @@ Run it after building ``amp_C`` on a new machine, and paste its output into bug 
 
     python -m amp.check                  # everything, on the CPU and every visible GPU
     python -m amp.check --quick          # fewer cases (under 10 s on a CPU)
-    python -m amp.check --json out.json  # also write everything as JSON (fields: README)
+    python -m amp.check --json out.json  # also write everything as JSON (fields: docs/reference.md)
 
 or, from a notebook, ``amp.check.run()`` (it prints the same report and returns it).
 
@@ -104,7 +104,7 @@ def run(devices: Optional[Sequence[str]] = None, quick: bool = False, json_path:
         devices: device names (``"cpu"``, ``"cuda"``, ``"cuda:1"``); default: the CPU and every
             visible CUDA device.
         quick: fewer cases and repetitions (under 10 s on a CPU).
-        json_path: also write the report there as JSON (the README lists the fields); checked
+        json_path: also write the report there as JSON (docs/reference.md lists the fields); checked
             before anything runs.
         only: a subset of ``SECTIONS``; the environment report is always made.
         out: where to print (default: ``sys.stdout``); ``quiet=True`` prints nothing.

@@ -23,7 +23,7 @@ from amp import multi_tensor_apply as mta
 
 __all__ = ["OPS", "collect", "describe", "visible_devices"]
 
-# Every op amp_C exports, in the order the README lists them.
+# Every op amp_C exports, in the order docs/reference.md lists them.
 OPS: List[str] = list(_pytorch_ops.__all__)
 
 # The CPU flags that decide which code amp_C's CPU kernels (and torch's) run.

@@ -19,7 +19,7 @@ from .report import error_line
 
 __all__ = ["NORM_RTOL", "Observation", "Op", "Case", "call", "compare", "dtype_name"]
 
-# The documented agreement of the l2norm family with the fallback (README, "Check your
+# The documented agreement of the l2norm family with the fallback (docs/reference.md, "Check your
 # installation"): relative, on every norm; non-finite norms and the flag must agree exactly.
 NORM_RTOL = 1e-5
 

@@ -1,5 +1,5 @@
 """The results of ``python -m amp.check``: one record per check and device, the summary table,
-and the JSON document (its fields are listed in the README's "Check your installation").
+and the JSON document (its fields are listed in docs/reference.md, "Check your installation").
 
 A record is ``pass``, ``fail`` or ``skip``; only ``fail`` fails the run, so a machine without
 ``amp_C`` (every kernel self-test skipped, the fallback serving every op) passes, and says so as
@@ -136,7 +136,7 @@ class Report:
         return "\n".join(lines)
 
     def to_json(self) -> Dict[str, Any]:
-        """The document ``--json FILE`` writes (the README lists every field)."""
+        """The document ``--json FILE`` writes (docs/reference.md lists every field)."""
         return {
             "passed": self.passed,
             "quick": self.quick,

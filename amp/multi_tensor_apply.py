@@ -139,7 +139,7 @@ class MultiTensorApply:
         return op(self.chunk_size, noop_flag_buffer, tensor_lists, *args)
 
 
-multi_tensor_applier = MultiTensorApply(2048 * 32)
+multi_tensor_applier = MultiTensorApply(_pytorch_ops.contract.AMP_CHUNK_SIZE)
 
 
 @contextlib.contextmanager

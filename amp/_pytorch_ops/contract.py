@@ -65,6 +65,8 @@ import torch
 from . import storage
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# The chunk size amp itself passes to every op (Apex's): its kernels' common case.
+AMP_CHUNK_SIZE = 2048 * 32
 FP32_MAX = torch.finfo(torch.float32).max
 INT32_MAX = 2**31 - 1
 # The step numbers adam's bias corrections support: the kernels read the step's low 31 bits.

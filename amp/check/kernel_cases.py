@@ -16,7 +16,6 @@ from typing import Any, Callable, Iterable, Iterator, List, Optional, Sequence, 
 import torch
 
 from amp import _pytorch_ops
-from amp import multi_tensor_apply as mta
 
 from .kernel_compare import Case, Observation, Op, call, dtype_name
 
@@ -25,7 +24,7 @@ __all__ = ["CHUNK", "AMP_CHUNK", "cases"]
 # Small, so that tensors straddle chunks and a list exceeds a CUDA launch's 320 chunks cheaply.
 CHUNK = 512
 # amp's own chunk size (multi_tensor_applier's): straddled once per op in the full run.
-AMP_CHUNK = mta.multi_tensor_applier.chunk_size
+AMP_CHUNK = _pytorch_ops.contract.AMP_CHUNK_SIZE
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 LOW = (torch.float16, torch.bfloat16)
 NON_FINITE = (float("inf"), float("-inf"), float("nan"))

@@ -27,7 +27,6 @@ import torch
 from .. import casting
 from .._apex_compat import ApexStashFields
 from .._compat import eager_under_compile, optimizer_accepts_found_inf, record_step_for_lr_scheduler
-from .._logging import warn_at_caller
 from .._overflow_report import OverflowReporter, non_finite_grad_names
 from .._skip_counts import SkipCounts
 from .grads import GradsAtExit
@@ -98,7 +97,6 @@ class OptimizerController(ApexStashFields):
         self.skips = SkipCounts(_param_device(optimizer))
         # Under master weights: the model's grads as the last scale_loss block left them.
         self.grads_at_exit = GradsAtExit()
-        self._warned_grads_written = False
         self.reporter = OverflowReporter(max_consecutive_skips, context.verbosity, scalers=context.loss_scalers,
                                          max_steps_at_scale_floor=context.max_steps_at_scale_floor,
                                          step_counts=self.skips)
@@ -142,10 +140,6 @@ class OptimizerController(ApexStashFields):
         """The model's own parameters this optimizer trains."""
         return self.weights.model_params()
 
-    def set_grads_aside(self) -> None:
-        """Before a backward: set aside the grads that exist."""
-        self.weights.set_grads_aside()
-
     def unscale_grads(self, unscaler: Unscaler) -> None:
         """After a backward: unscale the new grads and add back those set aside."""
         self.weights.unscale_grads(unscaler, list(self.found_inf_by_loss.values()))
@@ -169,7 +163,7 @@ class OptimizerController(ApexStashFields):
         self._grads_set_aside = set_aside_grads and self.phase is not Phase.GRADS_SCALED
         self.phase = Phase.IN_BACKWARD
         if self._grads_set_aside:
-            self.set_grads_aside()
+            self.weights.set_grads_aside()
 
     def end_backward(self, unscaler: Unscaler | None) -> None:
         """Leave the block: unscale every grad with ``unscaler``; None (delay_unscale) keeps them scaled."""
@@ -236,7 +230,8 @@ class OptimizerController(ApexStashFields):
         (sync-free), or the host reads the flags once and a non-finite step never reaches it."""
         self.weights.check_step(closure, self.phase)
         self._check_phase_for_step()
-        self._check_model_grads_unchanged()
+        if self.master_weights:
+            self.grads_at_exit.warn_if_changed(self.weights.low_params)
         self.phase = Phase.READY
         self.weights.before_step()
         flags_by_loss, self.found_inf_by_loss = self.found_inf_by_loss, {}
@@ -254,24 +249,6 @@ class OptimizerController(ApexStashFields):
             step.casts_off.close()
             raise
         return step
-
-    def _check_model_grads_unchanged(self) -> None:
-        """Warn (once) of the model's low-precision grads written after the last scale_loss exit."""
-        if self.master_weights and self.grads_at_exit.changed(self.weights.low_params) \
-                and not self._warned_grads_written:
-            self._warned_grads_written = True
-            level = self.context.options.opt_level
-            warn_at_caller(
-                f"amp: the model's low-precision gradients were changed after amp.scale_loss exited "
-                "(torch.nn.utils.clip_grad_norm_(model.parameters(), ...)? p.grad = ...?). Under "
-                f"{level} the step is taken on the fp32 master weights, whose gradients amp unscaled "
-                "from the model's at the block's exit, and the model's gradients still carry the loss "
-                "scale (a norm computed from them is the scaled one): the change does nothing to the "
-                "step, or with an amp.optimizers optimizer scales it by a factor computed from scaled "
-                "gradients. Clip or change the masters' gradients instead: "
-                "torch.nn.utils.clip_grad_norm_(amp.master_params(optimizer), max_norm). (Warned once "
-                "per optimizer.)")
-        self.grads_at_exit.forget()
 
     def _hand_over_found_inf(self, step: _Step, found_inf: torch.Tensor) -> None:
         """Sync-free: the optimizer itself skips on ``found_inf`` (device-side); the masters are

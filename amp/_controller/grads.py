@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Iterable
 import torch
 
 from .._compat import coalesced_sparse_coo_tensor
+from .._logging import warn_at_caller
 
 if TYPE_CHECKING:
     from ..scaler import Unscaler
@@ -163,6 +164,7 @@ class GradsAtExit:
     def __init__(self) -> None:
         self.grads: list[torch.Tensor | None] | None = None
         self.versions: list[int] = []
+        self.warned = False
 
     def note(self, params: list[torch.Tensor]) -> None:
         self.grads = [param.grad for param in params]
@@ -176,6 +178,22 @@ class GradsAtExit:
         if len(grads) != len(self.grads) or any(now is not then for now, then in zip(grads, self.grads)):
             return True
         return [grad._version for grad in grads if grad is not None] != self.versions
+
+    def warn_if_changed(self, params: list[torch.Tensor]) -> None:
+        """At a step: warn (once) if a grad of ``params`` was written after the block exited, then forget."""
+        if not self.warned and self.changed(params):
+            self.warned = True
+            warn_at_caller(
+                f"amp: the model's low-precision gradients were changed after amp.scale_loss exited "
+                "(torch.nn.utils.clip_grad_norm_(model.parameters(), ...)? p.grad = ...?). Under "
+                "master weights (O2/O5) the step is taken on the fp32 master weights, whose gradients amp unscaled "
+                "from the model's at the block's exit, and the model's gradients still carry the loss "
+                "scale (a norm computed from them is the scaled one): the change does nothing to the "
+                "step, or with an amp.optimizers optimizer scales it by a factor computed from scaled "
+                "gradients. Clip or change the masters' gradients instead: "
+                "torch.nn.utils.clip_grad_norm_(amp.master_params(optimizer), max_norm). (Warned once "
+                "per optimizer.)")
+        self.forget()
 
     def forget(self) -> None:
         """Drop the references (the step, or ``zero_grad``, is over with these grads)."""

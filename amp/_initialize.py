@@ -170,7 +170,7 @@ def _initialize(models, optimizers, context, num_losses, cast_model_outputs, sca
             cast_forward(model, None, output_caster)
 
     context.loss_scalers = loss_scalers
-    context.track(models + optimizers)
+    context.track(models)
     for optimizer in optimizers:
         attach_controller(optimizer, context, param_names, fp32_values, max_consecutive_skips)
 
@@ -180,7 +180,7 @@ def _initialize(models, optimizers, context, num_losses, cast_model_outputs, sca
 
     # An earlier O1/O4 run's patches stay installed: its models keep its casts in their forward.
     # Only a run still alive can be affected by the new policy outside every model.
-    earlier = _amp_state.live_runs(collect=True)
+    earlier = _amp_state.live_runs()
     context.casting_policy = casting.use_run_policy(options, context.verbosity == 2,
                                                     earlier[-1].options.opt_level if earlier else None)
     for model in models:
@@ -193,3 +193,4 @@ def _initialize(models, optimizers, context, num_losses, cast_model_outputs, sca
     if optimizers_container == "single":
         return models_out, optimizers[0]
     return models_out, optimizers_container(optimizers)
+

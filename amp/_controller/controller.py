@@ -180,6 +180,7 @@ class OptimizerController(ApexStashFields):
         self.weights.check_step(closure, self.phase)
         self._check_phase_for_step()
         self.phase = Phase.READY
+        self.context.note_step()
         self.weights.before_step()
         flags_by_loss, self.found_inf_by_loss = self.found_inf_by_loss, {}
         casts_off = casting.disable_casts() if self.patch_torch_functions else contextlib.nullcontext()

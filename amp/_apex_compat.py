@@ -90,15 +90,30 @@ class ApexLossScalerNames:
     def _overflow_buf(self: _Scaler) -> torch.Tensor:
         return self.found_inf()
 
+    @_overflow_buf.setter
+    def _overflow_buf(self: _Scaler, flag: torch.Tensor) -> None:
+        """Apex-era code that checks gradients itself hands its flag over before ``update_scale()``
+        (NVIDIA's BERT, which all-reduces the grads after accumulation): its value, taken now, is
+        this scaler's overflow flag (nonzero: the step overflowed)."""
+        if not isinstance(flag, torch.Tensor) or flag.numel() != 1:
+            raise TypeError("_overflow_buf takes a one-element tensor (nonzero: overflow), got "
+                            f"{flag.shape if isinstance(flag, torch.Tensor) else type(flag).__name__}")
+        self.found_inf().copy_(flag.detach().reshape(1))
 
-def attach_apex_methods(optimizer: Any, lazy_init: Callable[..., None], init_params: Callable[..., None],
-                        set_grads_aside: Callable[[], None], unscale_grads: Callable[[Any], None],
+
+def _params_already_built() -> None:
+    """Apex's lazy init of an optimizer's param lists and masters, which amp did at initialize."""
+
+
+def attach_apex_methods(optimizer: Any, set_grads_aside: Callable[[], None], unscale_grads: Callable[[Any], None],
                         copy_masters_to_model: Callable[[], None] | None) -> None:
     """Give ``optimizer`` Apex's methods (``copy_masters_to_model``: under master weights only)."""
-    optimizer._amp_lazy_init = lazy_init
-    # Apex built the param lists (and the masters) lazily here; amp builds them at initialize, and
-    # a call afterwards builds them again from param groups that hold the masters by then.
-    optimizer._lazy_init_maybe_master_weights = init_params
+    # Apex built the param lists and the masters lazily: at the first backward, or when Apex-era
+    # code asked (NVIDIA's BERT resume calls _lazy_init_maybe_master_weights() before loading a
+    # checkpoint). amp builds them at initialize, so these find them built and change nothing,
+    # whatever _amp_stash.lazy_init_called says: building them again from param groups that hold
+    # the masters by then would cut the model's params off from training.
+    optimizer._amp_lazy_init = optimizer._lazy_init_maybe_master_weights = _params_already_built
     optimizer._prepare_amp_backward = set_grads_aside
     optimizer._post_amp_backward = unscale_grads
     if copy_masters_to_model is not None:

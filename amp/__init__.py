@@ -9,7 +9,7 @@ the grads with the multi-tensor kernels (``multi_tensor_apply.py``). ``optimizer
 controller's step, applied or skipped. Apex's names that amp's own code does not use live in
 ``_apex_compat.py``.
 """
-from . import multi_tensor_apply, optimizers
+from . import multi_tensor_apply, normalization, optimizers
 from ._amp_state import _amp_state
 from ._overflow_report import LossScaleFloorError, NonFiniteGradientsError
 from .casting import (bfloat16_function, deactivate, disable_casts, float_function,
@@ -29,5 +29,5 @@ __all__ = [
     "register_half_function", "register_float_function", "register_promote_function",
     "register_bfloat16_function", "LossScaler",
     "NonFiniteGradientsError", "LossScaleFloorError", "multi_tensor_apply", "deactivate",
-    "optimizers",
+    "optimizers", "normalization",
 ]

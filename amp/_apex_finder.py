@@ -31,7 +31,8 @@ __all__ = ["PACKAGES", "MIRROR", "EXTENSIONS", "ApexAliasFinder", "nvidia_apex_s
            "nvidia_apex_ships", "find", "install", "installed_finder"]
 
 #: ``apex.<name>`` -> the package of ours that is it (its modules answer below it).
-PACKAGES = {"amp": "amp", "fp16_utils": "fp16_utils", "optimizers": "amp.optimizers"}
+PACKAGES = {"amp": "amp", "fp16_utils": "fp16_utils", "optimizers": "amp.optimizers",
+            "normalization": "amp.normalization"}
 #: Apex's installed layout on top of amp: ``<MIRROR>.apex.<path>`` answers ``apex.<path>``.
 MIRROR = "amp._apex"
 #: Apex's compiled extensions, which the mirror stands in for where none is installed.

@@ -14,22 +14,27 @@ gone at once, see ``_run``), those in use: the latest ``initialize`` call's, tho
 with it (no step of any run in between), and those that stepped since it.
 
 ``verbosity`` here is also what messages that belong to no run follow (``_logging.maybe_print``).
+Apex's helpers of this module (``maybe_print``, ``warn_or_err``, ``master_params``) are here too,
+for code that imported them from ``apex.amp._amp_state``.
 """
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
+import torch
 import torch.distributed as dist
 
-from . import casting
-from ._logging import follow_verbosity
+from . import _apex_compat, casting
+from ._logging import follow_verbosity, maybe_print
 
 if TYPE_CHECKING:
     from ._run import AmpContext
     from .casting import AmpHandle, NoOpHandle
     from .options import Options
     from .scaler import LossScaler
+
+__all__ = ["AmpState", "_amp_state", "maybe_print", "warn_or_err", "master_params"]
 
 
 class AmpState:
@@ -99,4 +104,16 @@ class AmpState:
 
 _amp_state = AmpState()
 follow_verbosity(lambda: _amp_state.verbosity)
+
+
+def warn_or_err(msg: str) -> None:
+    """Apex's form: raise ``RuntimeError(msg)``, or only warn under ``_amp_state.hard_override``."""
+    _apex_compat.warn_or_err(msg, _amp_state.hard_override)
+
+
+def master_params(optimizer: Any) -> Iterator[torch.Tensor]:
+    """``amp.master_params``: every parameter ``optimizer`` steps (the fp32 masters under O2/O5)."""
+    from .frontend import master_params as frontend_master_params  # frontend imports this module
+
+    return frontend_master_params(optimizer)
 

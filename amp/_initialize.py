@@ -14,8 +14,10 @@ from torch import nn
 from . import _fsdp, casting
 from ._amp_state import _amp_state
 from ._apex_compat import APEX_METHODS, warn_or_err
+from ._apex_compat import O2StateDictHook  # noqa: F401  (Apex's name on this module)
 from ._master_weights import LOW_PRECISION_DTYPES, check_trainable_dtype, convert_network
 from ._model_hooks import cast_forward, register_fp32_state_dict_hooks, to_type
+from ._model_hooks import applier  # noqa: F401  (Apex's name on this module)
 from ._optimizer_wrappers import is_optimizer, is_optimizer_wrapper
 from ._controller.attach import attach_controller
 from .scaler import LossScaler
@@ -194,3 +196,6 @@ def _initialize(models, optimizers, context, num_losses, cast_model_outputs, sca
         return models_out, optimizers[0]
     return models_out, optimizers_container(optimizers)
 
+
+# Apex's names of these checks, for code that imported them from apex.amp._initialize.
+check_models, check_params_fp32, check_optimizers = _check_models, _check_params_fp32, _check_optimizers

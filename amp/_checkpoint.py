@@ -128,8 +128,10 @@ def load_state_dict(state_dict: dict[str, Any], run: AmpContext | None = None) -
     entries: list[Any]  # the saved runs' dicts, unchecked yet
     targets: list[AmpContext] | None  # the runs they load into, in order
     if not runs:
-        raise RuntimeError("amp.load_state_dict() needs the loss scalers that amp.initialize creates: "
-                           "call amp.initialize first, then load the checkpoint.")
+        raise RuntimeError("amp.load_state_dict() needs the loss scalers that amp.initialize creates, "
+                           "and no run is in use (none was initialized, or the program no longer "
+                           "references the models of those that were): call amp.initialize first, keep "
+                           "what it returns, then load the checkpoint.")
     if _is_multi_run(state_dict):
         if run is not None:
             raise _mismatch(state_dict, runs, "optimizer= selects one run, and the checkpoint holds "

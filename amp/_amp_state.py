@@ -55,6 +55,7 @@ class AmpState:
         # Every enabled context, in the order of the initialize calls; see ``live_runs``.
         self.runs: list[AmpContext] = []
         self._last_step_of_gone_runs = -1
+        self._last_step_of_gone_others = -1  # the same, leaving out the latest run (``context``)
 
     @property
     def handle(self) -> AmpHandle | NoOpHandle | None:
@@ -84,6 +85,8 @@ class AmpState:
             # A step of a run that is gone still ends the block of runs initialized before it.
             self._last_step_of_gone_runs = max([self._last_step_of_gone_runs,
                                                 *(context.stepped_at for context in gone)])
+            self._last_step_of_gone_others = max([self._last_step_of_gone_others,
+                                                  *(c.stepped_at for c in gone if c is not self.context)])
             self.runs = [context for context in self.runs if context.live]
         return list(self.runs)
 
@@ -100,6 +103,18 @@ class AmpState:
         last_step = max([self._last_step_of_gone_runs, *(context.stepped_at for context in runs)])
         return [context for context in runs if context is latest or context.initialized_at > last_step
                 or context.stepped_at > latest.initialized_at]
+
+    def sole_gone_run(self) -> AmpContext | None:
+        """With no live run, the latest one if no other run stepped since its ``initialize``, else None.
+
+        That run is what Apex's ``state_dict`` saved (the latest call's scalers) and the only one
+        the program could have been training; where another run stepped after it was initialized,
+        which of them a checkpoint should hold is ambiguous.
+        """
+        latest = self.context
+        if self.live_runs() or latest is None or not latest.enabled:
+            return None
+        return latest if self._last_step_of_gone_others < latest.initialized_at else None
 
 
 _amp_state = AmpState()

@@ -2,7 +2,9 @@
 
 The runs in use are decided by what the program did (``_amp_state.checkpoint_runs``): the latest
 ``initialize`` call's run, the runs initialized with it, and those that stepped since it, as long
-as the program references their models. One run in use saves Apex's format, ``{"loss_scaler0":
+as the program references their models. With none in use, the latest run is saved, as Apex saved
+the latest call's scalers, where no other run stepped since its ``initialize``; else the save is
+refused as ambiguous. One run in use saves Apex's format, ``{"loss_scaler0":
 {...}, "loss_scaler1": ...}``, so single-run checkpoints are as they always were; several save one
 such dict per run, ``{"run0": ..., "run1": ...}``, in the order of their ``initialize`` calls.
 
@@ -45,6 +47,15 @@ def state_dict(destination: dict[str, Any] | None = None, run: AmpContext | None
     if run is not None:
         return _scaler_states(run, destination)
     runs = _amp_state.checkpoint_runs()
+    if not runs and _amp_state.context is not None and _amp_state.context.enabled:
+        sole = _amp_state.sole_gone_run()
+        if sole is None:
+            raise RuntimeError(
+                "amp.state_dict() found no amp.initialize run in use (the program references none of "
+                "the models they returned), and runs other than the latest one stepped after it was "
+                "initialized, so which run to save is ambiguous: save while the model you train is "
+                "still referenced, or pass optimizer=that_runs_optimizer.")
+        runs = [sole]  # its models are gone, but its scalers are what Apex would have saved
     if len(runs) == 1:
         return _scaler_states(runs[0], destination)
     for index, context in enumerate(runs):

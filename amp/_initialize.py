@@ -164,8 +164,11 @@ def _initialize(models, optimizers, context, num_losses, cast_model_outputs, sca
         output_caster = functools.partial(to_type, cast_model_outputs or torch.float32)
         for model in models:
             cast_forward(model, input_caster, output_caster)
-        for optimizer in optimizers:
-            optimizer.load_state_dict(optimizer.state_dict())
+        # State loaded before initialize (mmengine resumes so) follows its params' new dtype; under
+        # master weights it moves to the fp32 masters instead (attach_controller), never rounded.
+        if not options.master_weights:
+            for optimizer in optimizers:
+                optimizer.load_state_dict(optimizer.state_dict())
     elif cast_model_outputs is not None:
         output_caster = functools.partial(to_type, cast_model_outputs)
         for model in models:

@@ -195,3 +195,25 @@ def test_masters_of_a_param_group_added_after_initialize_are_saved_and_restored(
     amp.load_state_dict(checkpoint["amp"])
     train(model, optimizer, range(SAVE_AFTER, STEPS), set())
     assert_identical(snapshot(model, optimizer), expected)
+
+
+@pytest.mark.parametrize("opt_level", ["O2", "O5"])
+def test_optimizer_state_loaded_before_initialize_resumes_bit_exactly(opt_level):
+    # mmengine's order: the fp32 model and the optimizer load the checkpoint, then amp.initialize
+    # runs (in the first optim_context). Its momentum must reach the fp32 masters unrounded.
+    inject = INJECT.get(opt_level, set())
+    model, optimizer = initialized(opt_level)
+    train(model, optimizer, range(6), inject)
+    expected = [p.detach().clone() for p in amp.master_params(optimizer)]
+    model, optimizer = initialized(opt_level)
+    train(model, optimizer, range(3), inject)
+    checkpoint = save(model, optimizer)
+    del model, optimizer
+    model = net(seed=1)
+    model.load_state_dict(checkpoint["model"])
+    optimizer = sgd(model.parameters())
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    model, optimizer = amp.initialize(model, optimizer, opt_level=opt_level, verbosity=0)
+    amp.load_state_dict(checkpoint["amp"])
+    train(model, optimizer, range(3, 6), inject)
+    assert_identical([p.detach() for p in amp.master_params(optimizer)], expected)

@@ -224,3 +224,19 @@ def test_a_run_whose_objects_are_gone_is_neither_saved_nor_blocks_a_load():
     model, optimizer = initialized("O2", num_losses=2, seed=1)
     assert list(amp.state_dict()) == ["loss_scaler0", "loss_scaler1"]
     amp.load_state_dict(saved)
+
+
+def test_with_no_run_in_use_state_dict_saves_the_latest_runs_scalers_as_apex_did():
+    model, optimizer = initialized("O2", num_losses=2)
+    train_step(model, optimizer, 0, inject=True)
+    expected = amp.state_dict()
+    del model, optimizer
+    assert amp.state_dict() == expected and list(expected) == ["loss_scaler0", "loss_scaler1"]
+
+
+def test_with_no_run_in_use_state_dict_refuses_when_another_run_stepped_after_the_latest():
+    runs = start("AB")
+    train(runs, range(SAVE_AFTER))  # A steps after B's initialize: both were in use
+    del runs
+    with pytest.raises(RuntimeError, match="ambiguous"):
+        amp.state_dict()

@@ -11,7 +11,7 @@ controller's part of the step run eagerly (``_compat.eager_under_compile``), as 
 do: the models' forward (with amp's hooks) and the optimizer's own step are what is compiled.
 Apex's names that amp's own code does not use live in ``_apex_compat.py``.
 """
-from . import multi_tensor_apply, optimizers
+from . import multi_tensor_apply, normalization, optimizers
 from ._amp_state import _amp_state
 from ._overflow_report import LossScaleFloorError, NonFiniteGradientsError
 from .casting import (bfloat16_function, deactivate, disable_casts, float_function,
@@ -31,5 +31,5 @@ __all__ = [
     "register_half_function", "register_float_function", "register_promote_function",
     "register_bfloat16_function", "LossScaler",
     "NonFiniteGradientsError", "LossScaleFloorError", "multi_tensor_apply", "deactivate",
-    "optimizers",
+    "optimizers", "normalization",
 ]

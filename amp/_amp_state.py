@@ -8,24 +8,33 @@ O1/O4 function patches are process-wide; ``handle`` shows the latest ``init``'s 
 patcher keeps (``casting/patcher.py``). Each run keeps its own casting policy, which its models
 apply inside their forward (``casting/policy.py``).
 
+Which runs a checkpoint holds is decided by what the program did, never by when the cycle
+collector runs (``checkpoint_runs``): of the live runs (a run whose models the program dropped is
+gone at once, see ``_run``), those in use: the latest ``initialize`` call's, those initialized
+with it (no step of any run in between), and those that stepped since it.
+
 ``verbosity`` here is also what messages that belong to no run follow (``_logging.maybe_print``).
+Apex's helpers of this module (``maybe_print``, ``warn_or_err``, ``master_params``) are here too,
+for code that imported them from ``apex.amp._amp_state``.
 """
 from __future__ import annotations
 
-import gc
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
+import torch
 import torch.distributed as dist
 
-from . import casting
-from ._logging import follow_verbosity
+from . import _apex_compat, casting
+from ._logging import follow_verbosity, maybe_print
 
 if TYPE_CHECKING:
     from ._run import AmpContext
     from .casting import AmpHandle, NoOpHandle
     from .options import Options
     from .scaler import LossScaler
+
+__all__ = ["AmpState", "_amp_state", "maybe_print", "warn_or_err", "master_params"]
 
 
 class AmpState:
@@ -45,6 +54,8 @@ class AmpState:
         self.disabled_optimizers: weakref.WeakSet[Any] = weakref.WeakSet()
         # Every enabled context, in the order of the initialize calls; see ``live_runs``.
         self.runs: list[AmpContext] = []
+        self._last_step_of_gone_runs = -1
+        self._last_step_of_gone_others = -1  # the same, leaving out the latest run (``context``)
 
     @property
     def handle(self) -> AmpHandle | NoOpHandle | None:
@@ -67,20 +78,57 @@ class AmpState:
         if context.enabled:
             self.runs.append(context)
 
-    def live_runs(self, collect: bool = False) -> list[AmpContext]:
-        """The enabled contexts whose models or optimizers are still alive, oldest first.
-
-        ``collect``: run the cycle collector even when a single run looks live (it costs a few
-        milliseconds, so only rare calls such as ``initialize`` ask for it).
-        """
-        if sum(context.live for context in self.runs) > (0 if collect else 1):
-            # An optimizer and its amp controller reference each other, so a run dropped by the
-            # user lingers until the cycle collector runs; it must not be counted as live.
-            gc.collect()
-        self.runs = [context for context in self.runs if context.live]
+    def live_runs(self) -> list[AmpContext]:
+        """The enabled contexts whose models the program still references, oldest first."""
+        gone = [context for context in self.runs if not context.live]
+        if gone:
+            # A step of a run that is gone still ends the block of runs initialized before it.
+            self._last_step_of_gone_runs = max([self._last_step_of_gone_runs,
+                                                *(context.stepped_at for context in gone)])
+            self._last_step_of_gone_others = max([self._last_step_of_gone_others,
+                                                  *(c.stepped_at for c in gone if c is not self.context)])
+            self.runs = [context for context in self.runs if context.live]
         return list(self.runs)
+
+    def checkpoint_runs(self) -> list[AmpContext]:
+        """The live runs in use, oldest first (what ``amp.state_dict()`` saves, see the module doc).
+
+        An earlier run the program still holds but has not stepped since a later ``initialize``
+        (a resume compared with the run it was saved from, a notebook cell run again) is not in use.
+        """
+        runs = self.live_runs()
+        if not runs:
+            return []
+        latest = runs[-1]
+        last_step = max([self._last_step_of_gone_runs, *(context.stepped_at for context in runs)])
+        return [context for context in runs if context is latest or context.initialized_at > last_step
+                or context.stepped_at > latest.initialized_at]
+
+    def sole_gone_run(self) -> AmpContext | None:
+        """With no live run, the latest one if no other run stepped since its ``initialize``, else None.
+
+        That run is what Apex's ``state_dict`` saved (the latest call's scalers) and the only one
+        the program could have been training; where another run stepped after it was initialized,
+        which of them a checkpoint should hold is ambiguous.
+        """
+        latest = self.context
+        if self.live_runs() or latest is None or not latest.enabled:
+            return None
+        return latest if self._last_step_of_gone_others < latest.initialized_at else None
 
 
 _amp_state = AmpState()
 follow_verbosity(lambda: _amp_state.verbosity)
+
+
+def warn_or_err(msg: str) -> None:
+    """Apex's form: raise ``RuntimeError(msg)``, or only warn under ``_amp_state.hard_override``."""
+    _apex_compat.warn_or_err(msg, _amp_state.hard_override)
+
+
+def master_params(optimizer: Any) -> Iterator[torch.Tensor]:
+    """``amp.master_params``: every parameter ``optimizer`` steps (the fp32 masters under O2/O5)."""
+    from .frontend import master_params as frontend_master_params  # frontend imports this module
+
+    return frontend_master_params(optimizer)
 

@@ -12,6 +12,9 @@ working exactly as in Apex (and as before this module existed):
   ``fp16_groups``, ``in_scale_loss``, ...), each read through to where amp's controller keeps it.
 * ``APEX_METHODS`` and ``attach_apex_methods``: the methods Apex attached to an optimizer
   (``_lazy_init_maybe_master_weights``, ``_post_amp_backward``, ...).
+* ``scale_check_overflow_python``, ``axpby_check_overflow_python`` (``apex.amp.scaler``) and
+  ``O2StateDictHook`` (``apex.amp._initialize``): Apex's helpers of those modules, which amp's
+  modules of the same name keep for code that imported them.
 
 The protocols below say what each piece reads of the class it serves, so this module imports none
 of amp's.
@@ -23,7 +26,8 @@ from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
-__all__ = ["APEX_METHODS", "ApexLossScalerNames", "ApexStashFields", "attach_apex_methods", "warn_or_err"]
+__all__ = ["APEX_METHODS", "ApexLossScalerNames", "ApexStashFields", "attach_apex_methods", "warn_or_err",
+           "scale_check_overflow_python", "axpby_check_overflow_python", "O2StateDictHook"]
 
 #: The methods Apex attached to an optimizer; ``amp.initialize`` refuses one that has any already.
 APEX_METHODS = ("_lazy_init_maybe_master_weights", "_master_params_to_model_params",
@@ -90,15 +94,72 @@ class ApexLossScalerNames:
     def _overflow_buf(self: _Scaler) -> torch.Tensor:
         return self.found_inf()
 
+    @_overflow_buf.setter
+    def _overflow_buf(self: _Scaler, flag: torch.Tensor) -> None:
+        """Apex-era code that checks gradients itself hands its flag over before ``update_scale()``
+        (NVIDIA's BERT, which all-reduces the grads after accumulation): its value, taken now, is
+        this scaler's overflow flag (nonzero: the step overflowed)."""
+        if not isinstance(flag, torch.Tensor) or flag.numel() != 1:
+            raise TypeError("_overflow_buf takes a one-element tensor (nonzero: overflow), got "
+                            f"{flag.shape if isinstance(flag, torch.Tensor) else type(flag).__name__}")
+        self.found_inf().copy_(flag.detach().reshape(1))
 
-def attach_apex_methods(optimizer: Any, lazy_init: Callable[..., None], init_params: Callable[..., None],
-                        set_grads_aside: Callable[[], None], unscale_grads: Callable[[Any], None],
+
+def _non_finite(grad: torch.Tensor) -> bool:
+    return not bool(torch.isfinite(grad).all())
+
+
+def scale_check_overflow_python(model_grad: torch.Tensor, master_grad: torch.Tensor, scale: float,
+                                check_overflow: bool = False) -> bool:
+    """``master_grad = model_grad * scale`` for one tensor; with ``check_overflow``, a non-finite
+    ``model_grad`` returns True and writes nothing (one host read)."""
+    if check_overflow and _non_finite(model_grad):
+        return True
+    if master_grad is not model_grad:
+        master_grad.copy_(model_grad)
+    if scale != 1.0:
+        master_grad.mul_(scale)
+    return False
+
+
+def axpby_check_overflow_python(model_grad: torch.Tensor, stashed_grad: torch.Tensor, master_grad: torch.Tensor,
+                                a: float, b: float, check_overflow: bool = False) -> bool:
+    """``master_grad = a * model_grad + b * stashed_grad`` (in ``master_grad``'s dtype) for one
+    tensor; with ``check_overflow``, a non-finite ``model_grad`` returns True and writes nothing."""
+    if check_overflow and _non_finite(model_grad):
+        return True
+    if stashed_grad.dtype != master_grad.dtype:
+        raise TypeError(f"stashed_grad ({stashed_grad.dtype}) and master_grad ({master_grad.dtype}) "
+                        "must have one dtype")
+    master_grad.copy_(a * model_grad.detach().to(master_grad.dtype) + b * stashed_grad)
+    return False
+
+
+class O2StateDictHook:
+    """A module state-dict hook that saves fp16/bf16 entries as fp32 (amp registers its own at O2/O5)."""
+
+    def __init__(self, fn: Callable[..., Any] | None = None) -> None:
+        self.fn = fn  # unused, as in Apex
+
+    def __call__(self, module: Any, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+        for key, value in state_dict.items():
+            if isinstance(value, torch.Tensor) and value.dtype in (torch.float16, torch.bfloat16):
+                state_dict[key] = value.to(torch.float32)
+
+
+def _params_already_built() -> None:
+    """Apex's lazy init of an optimizer's param lists and masters, which amp did at initialize."""
+
+
+def attach_apex_methods(optimizer: Any, set_grads_aside: Callable[[], None], unscale_grads: Callable[[Any], None],
                         copy_masters_to_model: Callable[[], None] | None) -> None:
     """Give ``optimizer`` Apex's methods (``copy_masters_to_model``: under master weights only)."""
-    optimizer._amp_lazy_init = lazy_init
-    # Apex built the param lists (and the masters) lazily here; amp builds them at initialize, and
-    # a call afterwards builds them again from param groups that hold the masters by then.
-    optimizer._lazy_init_maybe_master_weights = init_params
+    # Apex built the param lists and the masters lazily: at the first backward, or when Apex-era
+    # code asked (NVIDIA's BERT resume calls _lazy_init_maybe_master_weights() before loading a
+    # checkpoint). amp builds them at initialize, so these find them built and change nothing,
+    # whatever _amp_stash.lazy_init_called says: building them again from param groups that hold
+    # the masters by then would cut the model's params off from training.
+    optimizer._amp_lazy_init = optimizer._lazy_init_maybe_master_weights = _params_already_built
     optimizer._prepare_amp_backward = set_grads_aside
     optimizer._post_amp_backward = unscale_grads
     if copy_masters_to_model is not None:

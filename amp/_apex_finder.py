@@ -31,7 +31,8 @@ __all__ = ["PACKAGES", "MIRROR", "EXTENSIONS", "ApexAliasFinder", "nvidia_apex_s
            "nvidia_apex_ships", "find", "install", "installed_finder"]
 
 #: ``apex.<name>`` -> the package of ours that is it (its modules answer below it).
-PACKAGES = {"amp": "amp", "fp16_utils": "fp16_utils", "optimizers": "amp.optimizers"}
+PACKAGES = {"amp": "amp", "fp16_utils": "fp16_utils", "optimizers": "amp.optimizers",
+            "normalization": "amp.normalization"}
 #: Apex's installed layout on top of amp: ``<MIRROR>.apex.<path>`` answers ``apex.<path>``.
 MIRROR = "amp._apex"
 #: Apex's compiled extensions, which the mirror stands in for where none is installed.
@@ -82,14 +83,15 @@ class _AliasLoader:
         for name, submodule in list(sys.modules.items()):
             if name.startswith(prefix):
                 sys.modules.setdefault(spec.name + name[len(self.target):], submodule)
-        self._register_mirror_modules_named_like_attributes(spec.name, module)
+        self._register_mirror_modules(spec.name, module)
         return module
 
-    def _register_mirror_modules_named_like_attributes(self, alias, module):
-        # A mirror module that shares its name with an attribute of the target (apex.amp's
-        # ``__version__`` module, amp's ``__version__`` string) would replace that attribute when
-        # imported (the import system binds a submodule onto its parent): registered here instead,
-        # it is found in sys.modules and binds nothing, as Apex's own package did.
+    def _register_mirror_modules(self, alias, module):
+        # The mirror's modules below a package of ours (apex.amp's ``utils``, ``wrap``, ...) are
+        # imported with it and are its attributes, as Apex's package imported them all: code reads
+        # ``apex.amp._process_optimizer.<name>`` without importing it. Registered here, they are
+        # found in sys.modules when imported by name, so the import system never binds one over an
+        # attribute of the same name (apex.amp's ``__version__`` module, amp's ``__version__`` string).
         import importlib
         import pkgutil
 
@@ -100,9 +102,12 @@ class _AliasLoader:
         if mirror_spec is None or mirror_spec.submodule_search_locations is None:
             return
         for info in pkgutil.iter_modules(mirror_spec.submodule_search_locations):
-            if hasattr(module, info.name) and find(f"{self.target}.{info.name}") is None:
-                sys.modules.setdefault(f"{alias}.{info.name}",
-                                       importlib.import_module(f"{mirror_package}.{info.name}"))
+            if find(f"{self.target}.{info.name}") is not None:
+                continue  # the package's own module of that name answers
+            submodule = importlib.import_module(f"{mirror_package}.{info.name}")
+            sys.modules.setdefault(f"{alias}.{info.name}", submodule)
+            if not hasattr(module, info.name):
+                setattr(module, info.name, submodule)
 
     def exec_module(self, module):
         # The import system stamped the alias's spec on the module: it keeps its own.

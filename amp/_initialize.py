@@ -14,9 +14,11 @@ from torch import nn
 from . import _fsdp, casting, multi_tensor_apply
 from ._amp_state import _amp_state
 from ._apex_compat import APEX_METHODS, warn_or_err
+from ._apex_compat import O2StateDictHook  # noqa: F401  (Apex's name on this module)
 from ._master_weights import LOW_PRECISION_DTYPES, check_trainable_dtype, convert_network
 from ._model_hooks import (cast_forward, check_autocast, keep_run_hooks, register_fp32_state_dict_hooks,
                            remove_run_hooks, to_type)
+from ._model_hooks import applier  # noqa: F401  (Apex's name on this module)
 from ._optimizer_wrappers import is_optimizer, is_optimizer_wrapper
 from ._controller.attach import attach_controller
 from .scaler import LossScaler
@@ -185,15 +187,18 @@ def _initialize(models, optimizers, context, num_losses, cast_model_outputs, sca
         output_caster = functools.partial(to_type, cast_model_outputs or torch.float32)
         for model in models:
             keep_run_hooks(model, cast_forward(model, input_caster, output_caster))
-        for optimizer in optimizers:
-            optimizer.load_state_dict(optimizer.state_dict())
+        # State loaded before initialize (mmengine resumes so) follows its params' new dtype; under
+        # master weights it moves to the fp32 masters instead (attach_controller), never rounded.
+        if not options.master_weights:
+            for optimizer in optimizers:
+                optimizer.load_state_dict(optimizer.state_dict())
     elif cast_model_outputs is not None:
         output_caster = functools.partial(to_type, cast_model_outputs)
         for model in models:
             keep_run_hooks(model, cast_forward(model, None, output_caster))
 
     context.loss_scalers = loss_scalers
-    context.track(models + optimizers)
+    context.track(models)
     for optimizer in optimizers:
         attach_controller(optimizer, context, param_names, fp32_values, max_consecutive_skips)
 
@@ -203,7 +208,7 @@ def _initialize(models, optimizers, context, num_losses, cast_model_outputs, sca
 
     # An earlier O1/O4 run's patches stay installed: its models keep its casts in their forward.
     # Only a run still alive can be affected by the new policy outside every model.
-    earlier = _amp_state.live_runs(collect=True)
+    earlier = _amp_state.live_runs()
     context.casting_policy = casting.use_run_policy(options, context.verbosity == 2,
                                                     earlier[-1].options.opt_level if earlier else None)
     for model in models:
@@ -217,3 +222,7 @@ def _initialize(models, optimizers, context, num_losses, cast_model_outputs, sca
     if optimizers_container == "single":
         return models_out, optimizers[0]
     return models_out, optimizers_container(optimizers)
+
+
+# Apex's names of these checks, for code that imported them from apex.amp._initialize.
+check_models, check_params_fp32, check_optimizers = _check_models, _check_params_fp32, _check_optimizers

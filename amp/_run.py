@@ -2,11 +2,15 @@
 
 Every optimizer an ``initialize`` returns reaches its run through ``optimizer._amp_stash.context``,
 so a later ``initialize`` on other objects never changes how an earlier run scales, unscales or
-skips. A run is live while one of its models or optimizers is (``amp.state_dict`` saves the live
-ones); ``_amp_state`` shows the latest.
+skips. A run is live while the program still references one of its models (directly, or through a
+wrapper such as DDP or ``torch.compile``): amp holds them weakly and makes no reference cycle
+through a model, so a model the program drops is freed at once, without waiting for the cycle
+collector. Each run also records when it was initialized and when it last stepped, on one clock
+for the process; ``_amp_state`` decides from both which runs ``amp.state_dict`` saves.
 """
 from __future__ import annotations
 
+import itertools
 import weakref
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
@@ -18,6 +22,9 @@ if TYPE_CHECKING:
     from .scaler import LossScaler
 
 __all__ = ["AmpContext"]
+
+# Orders the initialize calls and steps of every run in the process.
+_clock = itertools.count()
 
 
 class AmpContext:
@@ -34,8 +41,10 @@ class AmpContext:
         self.min_loss_scale = min_loss_scale
         self.max_loss_scale = max_loss_scale
         self.max_steps_at_scale_floor = max_steps_at_scale_floor
-        # Weak references to the models and optimizers this call returned (see ``live``).
-        self._owners: list[weakref.ref[Any]] = []
+        # Weak references to the models this call returned (see ``live``).
+        self._models: list[weakref.ref[Any]] = []
+        self.initialized_at = next(_clock)
+        self.stepped_at = -1  # when an optimizer of this run last stepped (-1: never)
         # Its O1/O4 handle (casting.policy), whose weight-cast cache scale_loss clears; else None.
         self.casting_policy: AmpHandle | None = None
         self.sharded_masters = False  # FSDP2 at O2/O5: the sharded fp32 params are the masters
@@ -45,13 +54,22 @@ class AmpContext:
     def enabled(self) -> bool:
         return self.options.enabled
 
-    def track(self, objects: Iterable[object]) -> None:
-        """Follow ``objects`` (the call's models and optimizers) weakly: the run is live while one is."""
-        self._owners = [weakref.ref(obj) for obj in objects]
+    def track(self, models: Iterable[object]) -> None:
+        """Follow the call's ``models`` weakly: the run is live while one of them is referenced."""
+        self._models = [weakref.ref(model) for model in models]
 
     @property
     def live(self) -> bool:
-        return any(ref() is not None for ref in self._owners)
+        return any(ref() is not None for ref in self._models)
+
+    def note_step(self) -> None:
+        """An optimizer of this run stepped (applied or skipped)."""
+        self.stepped_at = next(_clock)
+
+    @property
+    def stepped(self) -> bool:
+        """Whether an optimizer of this run has stepped since its ``initialize``."""
+        return self.stepped_at >= 0
 
     def loss_scaler(self, loss_id: int) -> LossScaler:
         """The scaler of loss ``loss_id``; an out-of-range id is an error that names ``num_losses``."""

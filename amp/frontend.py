@@ -16,6 +16,7 @@ from torch import nn
 
 from . import _checkpoint
 from ._amp_state import _amp_state
+from ._apex_presets import O0, O1, O2, O3, opt_levels  # noqa: F401  (Apex's names on this module)
 from ._initialize import _initialize
 from ._logging import maybe_print
 from ._optimizer_wrappers import OptimizerLike, OptimizerWrapper, is_optimizer

@@ -16,6 +16,7 @@ import torch
 from ._amp_state import _amp_state
 from ._compat import eager_under_compile
 from ._controller.block import scale_loss_block
+from .casting import AmpHandle, NoOpHandle, disable_casts  # noqa: F401  (Apex's names on this module)
 from ._fsdp import check_order
 from ._optimizer_wrappers import OptimizerLike, is_optimizer
 from ._run import AmpContext

@@ -14,6 +14,7 @@ import torch
 from amp.multi_tensor_apply import Scalar, multi_tensor_applier, multi_tensor_axpby, multi_tensor_scale
 
 from ._apex_compat import ApexLossScalerNames
+from ._apex_compat import axpby_check_overflow_python, scale_check_overflow_python  # noqa: F401  (Apex's names)
 from ._device_scale import DeviceScale
 from ._host_scale import HostScale, as_fp32
 from ._scaler_options import DEFAULT_MIN_LOSS_SCALE, ScalerOptions, in_range, require

@@ -1,6 +1,5 @@
 """Fixtures every test file gets without importing them: amp's state reset after each test, and
 the casting engine's device / patch-type / handle fixtures."""
-import gc
 import os
 
 # Before torch loads OpenMP: threads that wait for work sleep instead of spinning. The tests run
@@ -16,16 +15,6 @@ import amp.casting  # noqa: E402
 from amp._amp_state import _amp_state  # noqa: E402
 from amp.casting.registry import consume_registry  # noqa: E402
 from casting_common import DEVICES  # noqa: E402
-
-
-def pytest_collection_finish(session):
-    # amp.initialize runs the cycle collector (a run whose objects were dropped must not count as
-    # live), and the tests call it thousands of times. Each collection would walk every object that
-    # importing torch and collecting the tests made, about 0.2 s a call on a 2-core machine and
-    # half of the suite's time. Frozen, those objects (modules, collected tests: none of them
-    # garbage a test waits for) are skipped; what the tests make is collected as before.
-    gc.collect()
-    gc.freeze()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -32,14 +32,64 @@ from test_distributed import free_port
 ROOT = Path(__file__).resolve().parents[1]
 BUILT_AMP_C = _apex_finder.PathFinder.find_spec("amp_C") is not None
 
-# The public names of the modules of Apex e13873de (the last Apex with amp) that the switch serves
-# outside apex.amp: its module-level definitions and what its __init__ files re-export
-# (`git show e13873de:apex/parallel/distributed.py` ...). Left out: Apex's optimizers that amp
-# does not offer (FusedLAMB, FusedNovoGrad, FusedAdagrad, FusedMixedPrecisionLamb), and apex's
-# own `normalization`, `transformer` and logging handler for apex.transformer.
+# The public names of the modules of Apex e13873de (the last Apex with amp) that the switch serves:
+# its module-level definitions and what its __init__ files re-export (`git show
+# e13873de:apex/parallel/distributed.py` ...), and the underscored ones Apex-era code reads
+# (apex.amp._amp_state, ...). Left out: Apex's optimizers that amp does not offer (FusedLAMB,
+# FusedNovoGrad, FusedAdagrad, FusedMixedPrecisionLamb), and apex's own `transformer` and logging
+# handler for apex.transformer.
 APEX_NAMES = {
-    "apex": ["amp", "fp16_utils", "optimizers", "parallel", "deprecated_warning",
+    "apex": ["amp", "fp16_utils", "normalization", "optimizers", "parallel", "deprecated_warning",
              "DeprecatedFeatureWarning", "check_cudnn_version_and_warn"],
+    "apex.amp": ["init", "half_function", "float_function", "promote_function", "register_half_function",
+                 "register_float_function", "register_promote_function", "scale_loss", "disable_casts",
+                 "initialize", "state_dict", "load_state_dict", "master_params", "_amp_state",
+                 # the submodules Apex's package imported, attributes of it
+                 "amp", "compat", "frontend", "handle", "lists", "opt", "rnn_compat", "scaler", "utils",
+                 "wrap", "_initialize", "_process_optimizer"],
+    "apex.amp.__version__": ["VERSION", "__version__"],
+    "apex.amp._amp_state": ["AmpState", "_amp_state", "warn_or_err", "maybe_print", "master_params"],
+    "apex.amp._initialize": ["to_type", "applier", "check_models", "check_params_fp32", "check_optimizers",
+                             "O2StateDictHook", "_initialize"],
+    "apex.amp._process_optimizer": [
+        "AmpOptimizerState", "lazy_init_with_master_weights", "post_backward_models_are_masters",
+        "prepare_backward_with_master_weights", "post_backward_with_master_weights",
+        "lazy_init_no_master_weights", "prepare_backward_no_master_weights", "post_backward_no_master_weights",
+        "prepare_backward_with_master_weights_FusedSGD", "post_backward_with_master_weights_FusedSGD",
+        "prepare_backward_no_master_weights_FusedSGD", "post_backward_no_master_weights_FusedSGD",
+        "_amp_lazy_init", "_process_optimizer", "_master_params_to_model_params"],
+    "apex.amp.amp": ["init", "half_function", "float_function", "promote_function", "register_half_function",
+                     "register_float_function", "register_promote_function", "AmpHandle", "NoOpHandle",
+                     "initialize", "state_dict", "load_state_dict", "Properties", "O0", "O1", "O2", "O3",
+                     "opt_levels", "compat", "rnn_compat", "utils", "wrap", "functional_overrides",
+                     "torch_overrides", "tensor_overrides", "_amp_state"],
+    "apex.amp.compat": ["variable_is_tensor", "tensor_is_variable", "tensor_is_float_tensor", "is_tensor_like",
+                        "is_floating_point", "scalar_python_val", "filter_attrs"],
+    "apex.amp.frontend": ["Properties", "O0", "O1", "O2", "O3", "opt_levels", "initialize", "state_dict",
+                          "load_state_dict"],
+    "apex.amp.handle": ["scale_loss", "disable_casts", "AmpHandle", "NoOpHandle"],
+    "apex.amp.lists": [],
+    "apex.amp.lists.functional_overrides": ["MODULE", "FP16_FUNCS", "FP32_FUNCS", "BANNED_FUNCS"],
+    "apex.amp.lists.tensor_overrides": ["MODULE", "FP16_FUNCS", "FP32_FUNCS", "CASTS", "SEQUENCE_CASTS"],
+    "apex.amp.lists.torch_overrides": ["MODULE", "FP16_FUNCS", "FP32_FUNCS", "CASTS", "SEQUENCE_CASTS"],
+    "apex.amp.opt": ["OptimWrapper"],
+    "apex.amp.rnn_compat": ["RNN_NAMES", "VariableFunctionsShim", "has_old_rnns", "whitelist_rnn_cells"],
+    "apex.amp.scaler": ["scale_check_overflow_python", "axpby_check_overflow_python", "LossScaler"],
+    "apex.amp.utils": ["is_cuda_enabled", "get_cuda_version", "is_fp_tensor", "is_nested", "should_cache",
+                       "collect_fp_tensor_types", "type_string", "maybe_half", "maybe_float", "casted_args",
+                       "cached_cast", "verbosify", "as_inplace", "has_func", "get_func", "set_func",
+                       "set_func_save", "synthesize_flattened_rnn_weights",
+                       "new_synthesize_flattened_rnn_weights"],
+    "apex.amp.wrap": ["make_cast_wrapper", "cached_cast", "make_promote_wrapper", "promote", "sequence_promote",
+                      "promote_match_arg0", "err_if_any_half", "err_if_arg0_half", "rnn_cast", "new_rnn_cast",
+                      "disable_casts"],
+    "apex.normalization": ["FusedLayerNorm", "MixedFusedLayerNorm", "FusedRMSNorm", "MixedFusedRMSNorm"],
+    "apex.normalization.fused_layer_norm": [
+        "FusedLayerNorm", "MixedFusedLayerNorm", "FusedRMSNorm", "MixedFusedRMSNorm", "fused_layer_norm",
+        "fused_layer_norm_affine", "mixed_dtype_fused_layer_norm_affine", "fused_rms_norm",
+        "fused_rms_norm_affine", "mixed_dtype_fused_rms_norm_affine", "manual_rms_norm",
+        "FusedLayerNormFunction", "FusedLayerNormAffineFunction", "FusedLayerNormAffineMixedDtypesFunction",
+        "FusedRMSNormFunction", "FusedRMSNormAffineFunction", "FusedRMSNormAffineMixedDtypesFunction"],
     "apex.fp16_utils": ["BN_convert_float", "network_to_half", "prep_param_lists",
                         "model_grads_to_master_grads", "master_params_to_model_params", "tofp16",
                         "to_python_float", "clip_grad_norm", "convert_module", "convert_network",
@@ -141,6 +191,52 @@ else:
 print(json.dumps(out))
 '''
 
+# Import lines of public Apex-era code (GitHub), and what Apex's own tests at e13873de imported.
+REAL_IMPORT_LINES = [
+    "from apex.amp.rnn_compat import has_old_rnns", "from apex.amp.frontend import O3",
+    "from apex.amp._amp_state import _amp_state", "from apex.amp.frontend import state_dict",
+    "from apex.amp.compat import filter_attrs", "from apex.amp.handle import scale_loss",
+    "from apex.amp import scale_loss", "import apex.amp as amp; from apex.amp import half_function",
+    "from apex.amp import __version__", "from apex.amp import _amp_state", "from apex.amp import float_function",
+    "from apex.amp import amp, scale_loss", "from apex.amp import initialize",
+    "from apex.amp.lists import functional_overrides, tensor_overrides, torch_overrides",
+    "from apex.amp.utils import is_fp_tensor",
+    "from apex import amp as apex_amp; apex_amp._process_optimizer.post_backward_models_are_masters",
+    "from apex.amp._amp_state import maybe_print, warn_or_err, master_params",
+    "from apex.amp.handle import AmpHandle, NoOpHandle, disable_casts",
+    "from apex.amp.frontend import Properties, O0, O1, O2, O3, opt_levels",
+    "from apex.amp.scaler import LossScaler", "from apex.amp.opt import OptimWrapper",
+    "from apex.amp.wrap import make_cast_wrapper", "from apex.parallel.LARC import LARC",
+    "from apex.multi_tensor_apply import multi_tensor_applier",
+    "from apex.fp16_utils import FP16_Optimizer", "from apex.amp import _amp_state; _amp_state.loss_scalers",
+]
+REAL_IMPORTS = r'''
+import json, sys
+out = {}
+for line in json.loads(sys.argv[1]):
+    try:
+        exec(line, {})
+    except Exception as error:
+        out[line] = f"{type(error).__name__}: {error}"
+    else:
+        out[line] = "ok"
+print(json.dumps(out))
+'''
+
+# Apex-era models import amp and Apex's layers in one try block, with a fallback for both.
+TRY_BLOCK = r'''
+import json
+try:
+    from apex import amp
+    from apex.normalization import FusedLayerNorm
+    from apex.optimizers import FusedAdam
+except ImportError as error:
+    print(json.dumps(dict(error=str(error))))
+else:
+    print(json.dumps(dict(amp=amp.__name__, FusedLayerNorm=getattr(FusedLayerNorm, "WHO", FusedLayerNorm.__module__),
+                          FusedAdam=getattr(FusedAdam, "WHO", FusedAdam.__module__))))
+'''
+
 # NVIDIA's BERT pretraining (DeepLearningExamples, Apex era) with allreduce_post_accumulation, and
 # its GLUE/SQuAD gradient clipper, on the CPU: each result against plain torch.
 BERT_CALLS = r'''
@@ -183,9 +279,13 @@ APEX_HEAD_LAYOUT = {
     "apex/optimizers/fused_adam.py": "class FusedAdam:\n    WHO = 'nvidia apex'\n",
     "apex/optimizers/fused_lamb.py": "class FusedLAMB:\n    WHO = 'nvidia apex'\n",
     "apex/optimizers/fused_sgd.py": "class FusedSGD:\n    WHO = 'nvidia apex'\n",
-    "apex/normalization/__init__.py": "",
-    "apex/multi_tensor_apply/__init__.py": "from .multi_tensor_apply import MultiTensorApply\n",
-    "apex/multi_tensor_apply/multi_tensor_apply.py": "class MultiTensorApply:\n    available = False\n",
+    "apex/normalization/__init__.py": "from .fused_layer_norm import FusedLayerNorm\n",
+    "apex/normalization/fused_layer_norm.py": "class FusedLayerNorm:\n    WHO = 'nvidia apex'\n",
+    "apex/multi_tensor_apply/__init__.py": ("from .multi_tensor_apply import MultiTensorApply\n"
+                                            "multi_tensor_applier = MultiTensorApply(2048 * 32)\n"),
+    "apex/multi_tensor_apply/multi_tensor_apply.py": ("class MultiTensorApply:\n    available = False\n\n"
+                                                      "    def __init__(self, chunk_size):\n"
+                                                      "        self.chunk_size = chunk_size\n"),
     "apex/contrib/__init__.py": "",
     "apex/distributed_testing/__init__.py": "",
     "apex/fused_dense/__init__.py": "",
@@ -319,6 +419,10 @@ def world(tmp_path_factory):
         imports_b=start_imports(python, [*APEX_ERA_MODULES, "apex.optimizers.something_old"],
                                 pythonpath=[apex_head]),
         bert=start(python, "-c", BERT_CALLS),
+        real_imports_a=start(python, "-c", REAL_IMPORTS, json.dumps(REAL_IMPORT_LINES)),
+        real_imports_b=start(python, "-c", REAL_IMPORTS, json.dumps(REAL_IMPORT_LINES), pythonpath=[apex_head]),
+        try_block_a=start(python, "-c", TRY_BLOCK),
+        try_block_b=start(python, "-c", TRY_BLOCK, pythonpath=[apex_head]),
         status_on=start(python, "-m", "amp.apex", "status"),
         status_b=start(python, "-m", "amp.apex", "status", pythonpath=[apex_head]),
         old_apex=start(python, "-c", "import apex.amp, apex.parallel, apex.fp16_utils, fp16_utils; "
@@ -416,6 +520,21 @@ def test_without_nvidia_apex_each_apex_era_module_path_imports_with_apexs_public
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("line", REAL_IMPORT_LINES)
+@pytest.mark.parametrize("apex_world", ["a", "b"], ids=["without_apex", "beside_apex_head"])
+def test_import_lines_of_apex_era_code_work_in_both_worlds(world, apex_world, line):
+    assert world[f"real_imports_{apex_world}"][line] == "ok"
+
+
+@pytest.mark.slow
+def test_a_try_block_of_amp_and_apexs_layers_takes_ours_without_apex_and_apexs_beside_it(world):
+    assert world["try_block_a"] == dict(amp="amp", FusedLayerNorm="amp.normalization.fused_layer_norm",
+                                        FusedAdam="amp.optimizers.fused_adam", stderr="")
+    assert world["try_block_b"] == dict(amp="amp", FusedLayerNorm="nvidia apex", FusedAdam="nvidia apex",
+                                        stderr="")
+
+
+@pytest.mark.slow
 def test_without_nvidia_apex_the_apex_modules_are_amps_own_module_objects(world):
     result = world["a"]
     assert result["import_apex"] and all(result["same"].values()), result["same"]
@@ -476,10 +595,8 @@ def expected_beside_apex_head(name):
         return "apex"
     if shipped("/".join(name.split(".")[:2])):
         return None  # a module a package of Apex's lacks: its own error
-    if name in OURS_BESIDE_APEX_HEAD:
+    if name in OURS_BESIDE_APEX_HEAD or name.startswith("apex.amp"):
         return "amp"
-    if name.startswith("apex.amp"):  # amp's own module of that name, where amp has one
-        return "amp" if _apex_finder.find("amp" + name[len("apex.amp"):]) is not None else None
     # Beside NVIDIA Apex the switch serves no amp_C: the import finds what is installed.
     return "amp build" if name == "amp_C" and BUILT_AMP_C else None
 

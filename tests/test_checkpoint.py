@@ -63,7 +63,7 @@ def test_resuming_right_after_a_skipped_step_restores_the_reduced_scale():
 
 
 def test_amp_state_dict_holds_every_scaler_as_plain_numbers():
-    initialized("O2", num_losses=2)
+    run = initialized("O2", num_losses=2)  # noqa: F841  (its objects in use keep it in use)
     state = amp.state_dict()
     assert list(state) == ["loss_scaler0", "loss_scaler1"]
     assert state["loss_scaler0"] == dict(loss_scale=2.0**16, unskipped=0, hysteresis_tracker=1, dynamic=True)
@@ -81,7 +81,7 @@ def test_amp_load_state_dict_restores_scale_and_counters():
 @pytest.mark.parametrize("bad_entry", [dict(loss_scale=-1.0, unskipped=0), dict(loss_scale="big", unskipped=0),
                                        dict(unskipped=0), dict(loss_scale=4.0, unskipped=0, extra=1)])
 def test_a_bad_second_entry_leaves_the_first_scaler_unchanged(bad_entry):
-    initialized("O2", num_losses=2)
+    run = initialized("O2", num_losses=2)  # noqa: F841  (its objects in use keep it in use)
     with pytest.raises((ValueError, TypeError)):
         amp.load_state_dict(dict(loss_scaler0=dict(loss_scale=8.0, unskipped=5), loss_scaler1=bad_entry))
     assert [s.loss_scale() for s in _amp_state.loss_scalers] == [2.0**16, 2.0**16]
@@ -212,3 +212,25 @@ def test_an_o2_checkpoint_resumes_at_o5_without_amp_state_as_the_refusal_says():
     assert_identical([p.detach() for p in amp.master_params(optimizer)], masters)
     assert_identical([t for s in optimizer.state.values() for t in s.values()], state)
     train(model, optimizer, range(SAVE_AFTER, STEPS), set())
+
+
+@pytest.mark.parametrize("opt_level", ["O2", "O5"])
+def test_optimizer_state_loaded_before_initialize_resumes_bit_exactly(opt_level):
+    # mmengine's order: the fp32 model and the optimizer load the checkpoint, then amp.initialize
+    # runs (in the first optim_context). Its momentum must reach the fp32 masters unrounded.
+    inject = INJECT.get(opt_level, set())
+    model, optimizer = initialized(opt_level)
+    train(model, optimizer, range(6), inject)
+    expected = [p.detach().clone() for p in amp.master_params(optimizer)]
+    model, optimizer = initialized(opt_level)
+    train(model, optimizer, range(3), inject)
+    checkpoint = save(model, optimizer)
+    del model, optimizer
+    model = net(seed=1)
+    model.load_state_dict(checkpoint["model"])
+    optimizer = sgd(model.parameters())
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    model, optimizer = amp.initialize(model, optimizer, opt_level=opt_level, verbosity=0)
+    amp.load_state_dict(checkpoint["amp"])
+    train(model, optimizer, range(3, 6), inject)
+    assert_identical([p.detach() for p in amp.master_params(optimizer)], expected)

@@ -1,4 +1,5 @@
 """amp.state_dict / load_state_dict with several live amp.initialize runs in one process."""
+import gc
 import io
 
 import pytest
@@ -115,28 +116,104 @@ def test_a_dynamic_run_checkpoint_is_refused_by_a_static_run_in_its_place():
         amp.load_state_dict(saved)
 
 
-def test_a_single_run_checkpoint_is_refused_while_two_runs_are_live():
+def test_a_single_run_checkpoint_loads_into_the_new_run_while_the_saved_run_is_still_bound():
     model, optimizer = initialized("O2")
     train_step(model, optimizer, 0, inject=True)
     saved = amp.state_dict()
-    assert list(saved) == ["loss_scaler0"]
+    assert list(saved) == ["loss_scaler0"] and saved["loss_scaler0"]["loss_scale"] == 2.0**15
+    amp.loss_scaler(optimizer=optimizer).set_scale(2.0**10)  # the saved run goes on changing
     other_model, other_optimizer = initialized("O2", seed=1)
-    with pytest.raises(RuntimeError, match="optimizer="):
+    amp.load_state_dict(saved)
+    assert amp.loss_scale(optimizer=other_optimizer) == 2.0**15
+    assert amp.loss_scale(optimizer=optimizer) == 2.0**10
+
+
+def test_a_single_run_checkpoint_is_refused_while_two_runs_in_use_have_not_stepped():
+    saved = amp.state_dict(optimizer=initialized("O2")[1])
+    runs = [initialized("O2", seed=1), initialized("O2", seed=2)]
+    with pytest.raises(RuntimeError, match="ambiguous.*optimizer="):
         amp.load_state_dict(saved)
-    assert amp.loss_scale(optimizer=other_optimizer) == 2.0**16
+    assert [amp.loss_scale(optimizer=optimizer) for _, optimizer in runs] == [2.0**16, 2.0**16]
+
+
+def test_apexs_resume_recipe_in_one_process_matches_the_uninterrupted_run_it_was_saved_from():
+    model, optimizer = initialized("O2", make_optimizer=adam)
+    train(dict(A=(model, optimizer)), range(SAVE_AFTER))
+    checkpoint = round_trip(dict(model=model.state_dict(), optimizer=optimizer.state_dict(),
+                                 amp=amp.state_dict()))
+    train(dict(A=(model, optimizer)), range(SAVE_AFTER, STEPS))  # the uninterrupted run, kept bound
+    resumed_model, resumed_optimizer = initialized("O2", make_optimizer=adam, seed=5)
+    resumed_model.load_state_dict(checkpoint["model"])
+    resumed_optimizer.load_state_dict(checkpoint["optimizer"])
+    amp.load_state_dict(checkpoint["amp"])
+    train(dict(A=(resumed_model, resumed_optimizer)), range(SAVE_AFTER, STEPS))
+    assert_identical(snapshot(resumed_model, resumed_optimizer), snapshot(model, optimizer))
+    assert amp.loss_scaler(optimizer=resumed_optimizer).state_dict() == \
+        amp.loss_scaler(optimizer=optimizer).state_dict()
+
+
+def test_state_dict_saves_apexs_format_for_the_run_in_use_while_an_earlier_run_is_still_bound():
+    earlier = initialized("O2")
+    train_step(*earlier, 0)
+    model, optimizer = initialized("O2", seed=1)
+    assert list(amp.state_dict()) == ["loss_scaler0"]
+    train_step(model, optimizer, 0, inject=True)
+    assert amp.state_dict() == amp.state_dict(optimizer=optimizer)
+    train_step(*earlier, 1)  # both runs train: both are saved
+    assert list(amp.state_dict()) == ["run0", "run1"]
+
+
+def test_runs_initialized_together_are_saved_together_before_either_steps():
+    runs = start("AB")
+    assert list(amp.state_dict()) == ["run0", "run1"]
+    train(runs, range(1))
+    assert list(amp.state_dict()) == ["run0", "run1"]
+
+
+def test_the_checkpoints_format_does_not_wait_for_the_cycle_collector():
+    gc.disable()
+    try:
+        model, optimizer = initialized("O2")
+        train_step(model, optimizer, 0)
+        cycle = [model, optimizer]
+        cycle.append(cycle)  # garbage once dropped, freed only by the cycle collector
+        del model, optimizer, cycle
+        initialized("O2", seed=1)  # its objects are dropped at once, without the collector
+        kept = initialized("O2", num_losses=2, seed=2)
+        assert list(amp.state_dict()) == ["loss_scaler0", "loss_scaler1"]
+        gc.collect()
+        assert list(amp.state_dict()) == ["loss_scaler0", "loss_scaler1"]
+    finally:
+        gc.enable()
+    del kept
+
+
+def test_initialize_does_not_run_the_cycle_collector():
+    collections = []
+
+    def note(phase, info):
+        if phase == "start":
+            collections.append(info["generation"])
+    gc.callbacks.append(note)
+    try:
+        initialized("O2")
+        initialized("O1", seed=1)
+    finally:
+        gc.callbacks.remove(note)
+    assert 2 not in collections  # a full collection walks every object of the process
 
 
 def test_optimizer_selects_the_run_to_save_and_load():
     runs = start("AB")
     train(runs, range(SAVE_AFTER))
     (_, optimizer_a), (_, optimizer_b) = runs["A"], runs["B"]
-    saved_a = amp.state_dict(optimizer=optimizer_a)
-    assert saved_a == amp.state_dict()["run0"]
+    saved_a, saved_both = amp.state_dict(optimizer=optimizer_a), amp.state_dict()
+    assert saved_a == saved_both["run0"]
     fresh_model, fresh_optimizer = initialized(**RUNS["A"])
     amp.load_state_dict(saved_a, optimizer=fresh_optimizer)
     assert amp.state_dict(optimizer=fresh_optimizer) == saved_a
     with pytest.raises(RuntimeError, match=r"state_dict\['run1'\]"):
-        amp.load_state_dict(amp.state_dict(), optimizer=optimizer_b)
+        amp.load_state_dict(saved_both, optimizer=optimizer_b)
 
 
 def test_a_run_whose_objects_are_gone_is_neither_saved_nor_blocks_a_load():
@@ -147,3 +224,19 @@ def test_a_run_whose_objects_are_gone_is_neither_saved_nor_blocks_a_load():
     model, optimizer = initialized("O2", num_losses=2, seed=1)
     assert list(amp.state_dict()) == ["loss_scaler0", "loss_scaler1"]
     amp.load_state_dict(saved)
+
+
+def test_with_no_run_in_use_state_dict_saves_the_latest_runs_scalers_as_apex_did():
+    model, optimizer = initialized("O2", num_losses=2)
+    train_step(model, optimizer, 0, inject=True)
+    expected = amp.state_dict()
+    del model, optimizer
+    assert amp.state_dict() == expected and list(expected) == ["loss_scaler0", "loss_scaler1"]
+
+
+def test_with_no_run_in_use_state_dict_refuses_when_another_run_stepped_after_the_latest():
+    runs = start("AB")
+    train(runs, range(SAVE_AFTER))  # A steps after B's initialize: both were in use
+    del runs
+    with pytest.raises(RuntimeError, match="ambiguous"):
+        amp.state_dict()

@@ -235,9 +235,109 @@ def test_fused_adam_refuses_to_load_a_step_count_its_kernel_could_not_take(step)
     with pytest.raises(ValueError, match="param group 0 has the step count"):
         optimizer.load_state_dict(checkpoint)
     after = optimizer.state_dict()
-    assert torch.equal(after["param_groups"][0]["step"], before["param_groups"][0]["step"])
+    assert after["param_groups"][0]["step"] == before["param_groups"][0]["step"] == 2
     assert all(torch.equal(after["state"][i][key], before["state"][i][key])
                for i in before["state"] for key in before["state"][i])
+
+
+class PolyWarmUp:
+    """The LR scheduler of NVIDIA's BERT pretraining (DeepLearningExamples): the learning rate from
+    the step count Apex's optimizers keep in ``param_groups[0]["step"]``."""
+
+    def __init__(self, optimizer, warmup=0.5, total_steps=8):
+        self.optimizer, self.warmup, self.total_steps = optimizer, warmup, total_steps
+        self.base_lrs = [group["lr"] for group in optimizer.param_groups]
+
+    def step(self):
+        group = self.optimizer.param_groups[0]
+        progress = (group["step"] + 1 if "step" in group else 1) / self.total_steps
+        for group, base_lr in zip(self.optimizer.param_groups, self.base_lrs):
+            group["lr"] = base_lr * (progress / self.warmup if progress < self.warmup else
+                                     (1.0 - progress) ** 0.5)
+
+
+def test_fused_adam_keeps_apexs_python_int_step_count_that_an_lr_scheduler_can_read():
+    model = net()
+    optimizer = FusedAdam(model.parameters(), lr=0.01)
+    reference_model = net()
+    reference_optimizer = FusedAdam(reference_model.parameters(), lr=0.01)
+    schedule = PolyWarmUp(optimizer)
+    for step in range(4):
+        schedule.step()
+        loss_of(model(batch(step))).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        reference_optimizer.param_groups[0]["lr"] = 0.01 * min((step + 1) / 4, (1 - (step + 1) / 8) ** 0.5)
+        loss_of(reference_model(batch(step))).backward()
+        reference_optimizer.step()
+        reference_optimizer.zero_grad()
+    assert type(optimizer.param_groups[0]["step"]) is int and optimizer.param_groups[0]["step"] == 4
+    assert type(optimizer.param_groups[0]["lr"]) is float
+    assert_identical([p.detach() for p in model.parameters()], [p.detach() for p in reference_model.parameters()])
+
+
+@pytest.mark.parametrize("materialize", [True, False], ids=["master_grads", "model_grads"])
+def test_a_step_amp_skips_without_a_host_read_leaves_the_int_step_count_as_it_was(materialize):
+    model, optimizer = run("O2", fused("adamw", materialize_master_grads=materialize), steps=3,
+                           inject={(1, 0)})
+    assert optimizer.param_groups[0]["step"] == 2 and int(amp.skipped_steps(optimizer)) == 1
+    assert optimizer.state_dict()["param_groups"][0]["step"] == 2
+
+
+def test_a_step_grad_scaler_skips_leaves_the_int_step_count_as_it_was():
+    model, optimizer = plain_run(fused("adamw"), steps=2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    scaler.scale(loss_of(model(batch(9)))).backward()
+    poison_grad(next(model.parameters()))
+    scaler.step(optimizer)
+    scaler.update()
+    assert optimizer.param_groups[0]["step"] == 2
+
+
+def save_and_load(state_dict):
+    buffer = io.BytesIO()
+    torch.save(state_dict, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+@pytest.mark.parametrize("name", ["adam", "adamw"])
+@pytest.mark.parametrize("direction", ["torch_to_fused", "fused_to_torch"])
+def test_adam_state_dicts_translate_between_torch_and_fused_adam_bit_exactly(name, direction):
+    first, then = (reference(name), fused(name)) if direction == "torch_to_fused" else (fused(name), reference(name))
+    expected = trained(*plain_run(first, steps=5))
+    model, optimizer = plain_run(first, steps=3)
+    checkpoint = save_and_load(dict(model=model.state_dict(), optimizer=optimizer.state_dict()))
+    model = net(seed=1)
+    optimizer = then(model.parameters())
+    model.load_state_dict(checkpoint["model"])
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    for step in range(3, 5):
+        loss_of(model(batch(step))).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert_identical(trained(model, optimizer), expected)
+    if direction == "torch_to_fused":
+        assert optimizer.param_groups[0]["step"] == 5 and "step" not in optimizer.state[next(model.parameters())]
+
+
+@pytest.mark.parametrize("option", ["amsgrad", "maximize"])
+def test_fused_adam_refuses_a_torch_adam_state_dict_it_cannot_continue(option):
+    model, torch_optimizer = plain_run(lambda p: torch.optim.AdamW(p, lr=0.01, **{option: True}), steps=2)
+    optimizer = FusedAdam(net().parameters())
+    with pytest.raises(ValueError, match=f"{option}=True"):
+        optimizer.load_state_dict(torch_optimizer.state_dict())
+    assert not optimizer.state and "step" not in optimizer.param_groups[0]
+
+
+def test_fused_adam_refuses_torch_counts_that_differ_within_a_param_group():
+    model, torch_optimizer = plain_run(reference("adamw"), steps=2)
+    checkpoint = torch_optimizer.state_dict()
+    checkpoint["state"][1]["step"] = torch.tensor(7.0)
+    optimizer = FusedAdam(net().parameters())
+    with pytest.raises(ValueError, match="stepped different numbers of times"):
+        optimizer.load_state_dict(checkpoint)
+    assert not optimizer.state
 
 
 @pytest.mark.parametrize("name", PAIRS)

@@ -59,8 +59,7 @@ def attach_controller(optimizer: Any, context: AmpContext, param_names: dict[tor
         weights = OwnWeights(optimizer, names)
     controller = OptimizerController(optimizer, context, names, max_consecutive_skips, weights)
     optimizer._amp_stash = controller
-    attach_apex_methods(optimizer, controller.lazy_init, controller.init_params, weights.set_grads_aside,
-                        controller.unscale_grads, copy_masters_to_model)
+    attach_apex_methods(optimizer, weights.set_grads_aside, controller.unscale_grads, copy_masters_to_model)
     optimizer.add_param_group = controller.add_param_group
     step = _amp_step
     marks = [mark for mark in LR_SCHEDULER_STEP_MARKS if hasattr(controller.original_step, mark)]

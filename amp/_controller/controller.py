@@ -167,6 +167,12 @@ class OptimizerController(ApexStashFields):
 
     def end_backward(self, unscaler: Unscaler | None) -> None:
         """Leave the block: unscale every grad with ``unscaler``; None (delay_unscale) keeps them scaled."""
+        # FusedAdam's int step count learns here whether the last step was skipped on the device, so
+        # that an LR scheduler stepped next reads it as Apex's; the wait is for a copy that the last
+        # step enqueued, behind which this backward's work is already queued.
+        settle_step_counts = getattr(self.optimizer, "_settle_step_counts", None)
+        if settle_step_counts is not None:
+            settle_step_counts()
         if unscaler is None:
             self.phase = Phase.GRADS_SCALED
         else:
@@ -233,6 +239,7 @@ class OptimizerController(ApexStashFields):
         if self.master_weights:
             self.grads_at_exit.warn_if_changed(self.weights.low_params)
         self.phase = Phase.READY
+        self.context.note_step()
         self.weights.before_step()
         flags_by_loss, self.found_inf_by_loss = self.found_inf_by_loss, {}
         step = _Step()

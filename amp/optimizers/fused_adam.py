@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any, NoReturn
+from typing import Any, Callable, NoReturn
 
 import torch
 
@@ -50,13 +50,28 @@ class FusedAdam(FusedOptimizer):
         materialize_master_grads (bool, keyword-only, default True): see above; read once, by
             ``amp.initialize``.
 
-    The step count of each param group (``param_groups[i]["step"]``, a device tensor) counts its
-    steps, applied ones only: a step that amp or GradScaler skips (``found_inf``) writes nothing
-    and leaves it unchanged without a host read. Parameters without a gradient are not updated and
-    their state is untouched, but their group's count advances (Apex's rule; torch counts per
-    parameter). The step that creates a group's state under such a flag reads the flag on the
-    host once, so that a skipped first step leaves no state behind. ``load_state_dict`` refuses a
+    The step count of each param group, ``param_groups[i]["step"]``, is a Python int as in Apex
+    (LR schedulers read it): the steps applied so far. Parameters without a gradient are not
+    updated and their state is untouched, but their group's count advances (Apex's rule; torch
+    counts per parameter). A step that amp or GradScaler skips on the device (``found_inf``) writes
+    nothing, and the host learns of the skip without waiting for the device: the count goes up
+    when the step is taken and comes back down when the flag reaches the host, the step being
+    skipped. On the CPU that is at once; on a GPU the flag is copied to the host behind the step's
+    kernels and read when it is next needed, which only waits for that copy, never for later work:
+    at the next ``step()``, ``state_dict()`` or ``amp.scale_loss`` exit (so an LR scheduler that
+    reads the count after the backward, as NVIDIA's BERT scripts do, sees a skipped step uncounted,
+    as under Apex). Only a read between a skipped GPU step and the next of these sees it counted;
+    the Adam arithmetic never does. The step that creates a group's state under such a flag reads
+    the flag on the host once, so that a skipped first step leaves no state behind.
+
+    State dicts translate to and from ``torch.optim.Adam`` / ``AdamW``'s (the same arithmetic):
+    ``state_dict()`` also gives every parameter with state torch's own ``"step"``, and
+    ``load_state_dict`` takes torch's (one count per group, from the per-parameter counts) as well
+    as Apex's and its own; what FusedAdam cannot continue (``amsgrad``, ``maximize``, parameters
+    of one group stepped different numbers of times) is refused before anything changes, as is a
     count that is not a whole number from 0 to 2**31 - 2 (``multi_tensor_adam``'s step range).
+    Which of L2 and decoupled weight decay applies is this optimizer's ``adam_w_mode``, as torch's
+    class decides for its own state dicts; ``bias_correction=False`` has no torch counterpart.
     """
 
     def __init__(self, params: Params, lr: float = 1e-3, bias_correction: bool = True,
@@ -86,13 +101,59 @@ class FusedAdam(FusedOptimizer):
                         weight_decay=weight_decay)
         super().__init__(params, defaults, materialize_master_grads, set_grad_none)
         self.adam_w_mode = bool(adam_w_mode)
+        self._reset_step_bookkeeping()
+
+    def _reset_step_bookkeeping(self) -> None:
+        # The last step's skip flag on its way to the host, and the counts the running step set.
+        self._pending_skip: _PendingSkip | None = None
+        self._counted: list[tuple[dict[str, Any], int]] = []
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._reset_step_bookkeeping()
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Perform one optimization step; ``closure`` re-evaluates the model and returns the loss."""
+        self._settle_step_counts()
+        self._counted = []
+        result = super().step(closure)
+        found_inf = getattr(self, "found_inf", None)
+        if found_inf is not None and self._counted:
+            self._pending_skip = _PendingSkip(found_inf, self._counted)
+            if found_inf.device.type == "cpu":
+                self._settle_step_counts()  # free on the CPU: the count is exact at once
+        return result
+
+    def _settle_step_counts(self) -> None:
+        """Take back the counts of the last step if the device skipped it (see the class docstring)."""
+        pending, self._pending_skip = self._pending_skip, None
+        if pending is not None and pending.skipped():
+            for group, counted in pending.groups:
+                if group.get("step") == counted:  # unless something wrote another count since
+                    group["step"] = counted - 1
+
+    def state_dict(self) -> dict[str, Any]:
+        """As torch's, with every count settled, and torch's per-parameter ``"step"`` (a CPU float32
+        tensor) beside each parameter's state, so that ``torch.optim.Adam`` / ``AdamW`` load it."""
+        self._settle_step_counts()
+        state_dict = super().state_dict()
+        for group in state_dict["param_groups"]:
+            count = float(group.get("step", 0))
+            for index in group["params"]:
+                if index in state_dict["state"]:
+                    state_dict["state"][index] = {**state_dict["state"][index],
+                                                  "step": torch.tensor(count, dtype=torch.float32)}
+        return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """As torch's, refusing (before it loads anything) a param group's step count that the
-        kernel could not take: on a GPU a step out of range would skip every step silently."""
-        for index, group in enumerate(state_dict.get("param_groups", ())):
-            _check_step_count(group.get("step"), index)
-        super().load_state_dict(state_dict)
+        """As torch's, for FusedAdam's, Apex's and torch's Adam / AdamW's state dicts (see the class
+        docstring); everything is checked before anything is loaded."""
+        self._settle_step_counts()
+        super().load_state_dict(_as_fused_adam_state(state_dict))
+
+    def __getstate__(self) -> dict[str, Any]:
+        self._settle_step_counts()
+        return super().__getstate__()
 
     def _step_group(self, group: dict[str, Any], buckets: dict[BucketKey, Bucket],
                     found_inf: torch.Tensor | None, inv_scale: Scalar, model_inv_scale: Scalar) -> None:
@@ -100,12 +161,13 @@ class FusedAdam(FusedOptimizer):
                  if "exp_avg" not in self.state[param]]
         if fresh and found_inf is not None and found_inf.item():
             return  # a skipped step that would create state: nothing may change (the one host read)
+        step = _step_count(group.get("step", 0)) + 1
         for param in fresh:
             state = self.state[param]
             state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-        step = _group_step(group, next(iter(buckets))[0])
-        step.add_(1)
+        group["step"] = step
+        self._counted.append((group, step))
         beta1, beta2 = group["betas"]
         for (device, _, _, _, from_model), bucket in buckets.items():
             states = [self.state[param] for param in bucket.params]
@@ -114,11 +176,89 @@ class FusedAdam(FusedOptimizer):
             if bucket.copies:
                 lists.append(bucket.copies)
             multi_tensor_applier(multi_tensor_adam, self._noop_flag(device, found_inf), lists, group["lr"],
-                                 beta1, beta2, group["eps"], step.to(device), int(self.adam_w_mode),
+                                 beta1, beta2, group["eps"], step, int(self.adam_w_mode),
                                  int(group["bias_correction"]), group["weight_decay"],
                                  model_inv_scale if from_model else inv_scale)
-        if found_inf is not None:
-            step.sub_(found_inf.detach().reshape(1).to(step.device, torch.float32))
+
+
+class _PendingSkip:
+    """A step's skip flag on its way to the host, and the counts that step set (group, count)."""
+
+    def __init__(self, found_inf: torch.Tensor, groups: list[tuple[dict[str, Any], int]]) -> None:
+        self.groups = groups
+        flag = found_inf.detach().reshape(1).to(torch.float32)
+        if flag.device.type == "cpu":
+            self._host, self._copied = flag, None
+        else:
+            # Behind the step's kernels in the stream; waiting for it waits for nothing later.
+            self._host = torch.empty(1, dtype=torch.float32, pin_memory=True)
+            self._host.copy_(flag, non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+    def skipped(self) -> bool:
+        if self._copied is not None:
+            self._copied.synchronize()
+        # Through numpy: memory on the host, read without asking the device anything.
+        return bool(self._host.numpy()[0] != 0)
+
+
+# torch.optim.Adam / AdamW's group options that FusedAdam has no use for once they are checked.
+_TORCH_ONLY_OPTIONS = ("amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused",
+                       "decoupled_weight_decay")
+
+
+def _as_fused_adam_state(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """``state_dict`` in FusedAdam's form, checked (a new dict: the caller's is not changed).
+
+    FusedAdam's and Apex's groups carry ``bias_correction`` and one ``step``; torch's carry neither
+    and count per parameter. Per-parameter counts (torch's, or the copies ``state_dict`` adds) are
+    dropped from the state once the group's count is known.
+    """
+    groups = state_dict.get("param_groups", ())
+    states = state_dict.get("state", {})
+    translated = []
+    for index, group in enumerate(groups):
+        group = dict(group)
+        if "bias_correction" not in group:  # torch's Adam / AdamW
+            for option in ("amsgrad", "maximize"):
+                if group.get(option):
+                    raise ValueError(f"FusedAdam.load_state_dict: param group {index} was saved with "
+                                     f"{option}=True, which FusedAdam does not offer; continue it with "
+                                     f"torch.optim.AdamW({option}=True) (amp.initialize takes it too).")
+            for option in _TORCH_ONLY_OPTIONS:
+                group.pop(option, None)
+            group["bias_correction"] = True
+            group["step"] = _torch_group_count(index, group, states)
+        _check_step_count(group.get("step"), index)
+        if group.get("step") is not None:
+            group["step"] = _step_count(group["step"])
+        translated.append(group)
+    state = {key: {name: value for name, value in param_state.items() if name != "step"}
+             if isinstance(param_state, dict) else param_state for key, param_state in states.items()}
+    return {**state_dict, "state": state, "param_groups": translated}
+
+
+def _torch_group_count(index: int, group: dict[str, Any], states: dict[Any, Any]) -> int:
+    """The one count of a torch param group: its parameters' counts, which must agree."""
+    counts = {}
+    for param in group.get("params", ()):
+        step = states.get(param, {}).get("step") if isinstance(states.get(param), dict) else None
+        if step is not None:
+            _check_step_count(step, index)
+            counts[param] = _step_count(step)
+    if len(set(counts.values())) > 1:
+        shown = ", ".join(f"parameter {param}: {count}" for param, count in list(counts.items())[:4])
+        raise ValueError(f"FusedAdam.load_state_dict: the parameters of param group {index} were stepped "
+                         f"different numbers of times ({shown}, ...); FusedAdam keeps one count per "
+                         "group. Put parameters with different counts in different param groups, or "
+                         "continue with torch.optim.AdamW.")
+    return next(iter(counts.values()), 0)
+
+
+def _step_count(step: Any) -> int:
+    """A count checked by ``_check_step_count`` (an int, a whole float or a 1-element tensor) as an int."""
+    return int(step.item() if isinstance(step, torch.Tensor) else step)
 
 
 def _check_step_count(step: Any, index: int) -> None:
@@ -132,18 +272,3 @@ def _check_step_count(step: Any, index: int) -> None:
             and value == math.floor(value) and 0 <= value <= _MAX_STEP_COUNT):
         raise ValueError(f"FusedAdam.load_state_dict: param group {index} has the step count {step!r}; "
                          f"a step count is a whole number from 0 to {_MAX_STEP_COUNT} (the steps taken)")
-
-
-def _group_step(group: dict[str, Any], device: torch.device) -> torch.Tensor:
-    """The group's step count, a 1-element fp32 tensor on ``device`` (made, or moved there, once).
-
-    A checkpoint of Apex's FusedAdam holds a Python int; one loaded elsewhere, a tensor on another
-    device.
-    """
-    step = group.get("step")
-    if not isinstance(step, torch.Tensor):
-        step = torch.full((1,), float(step or 0), dtype=torch.float32, device=device)
-    elif step.device != device or step.dtype != torch.float32 or step.shape != (1,):
-        step = step.detach().to(device=device, dtype=torch.float32).reshape(1)
-    group["step"] = step
-    return step

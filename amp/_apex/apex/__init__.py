@@ -15,7 +15,7 @@ import torch
 # Apex's warning class and helper, which its fp16_utils used: ours are fp16_utils'.
 from fp16_utils._deprecation import DeprecatedFeatureWarning, deprecated_warning  # noqa: F401
 
-__all__ = ["amp", "fp16_utils", "optimizers", "parallel"]
+__all__ = ["amp", "fp16_utils", "normalization", "optimizers", "parallel"]
 
 
 def __getattr__(name: str) -> ModuleType:

@@ -20,13 +20,13 @@ for code that imported them from ``apex.amp._amp_state``.
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
-import torch
 import torch.distributed as dist
 
 from . import _apex_compat, casting
 from ._logging import follow_verbosity, maybe_print
+from ._master_weights import master_params
 
 if TYPE_CHECKING:
     from ._run import AmpContext
@@ -124,11 +124,3 @@ follow_verbosity(lambda: _amp_state.verbosity)
 def warn_or_err(msg: str) -> None:
     """Apex's form: raise ``RuntimeError(msg)``, or only warn under ``_amp_state.hard_override``."""
     _apex_compat.warn_or_err(msg, _amp_state.hard_override)
-
-
-def master_params(optimizer: Any) -> Iterator[torch.Tensor]:
-    """``amp.master_params``: every parameter ``optimizer`` steps (the fp32 masters under O2/O5)."""
-    from .frontend import master_params as frontend_master_params  # frontend imports this module
-
-    return frontend_master_params(optimizer)
-

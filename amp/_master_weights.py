@@ -6,11 +6,13 @@ swapping fp32 masters into an optimizer in place of its low-precision params.
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, TypeVar
+from typing import Any, Iterable, Iterator, TypeVar
 
 import torch
 import torch.nn as nn
 from torch.nn.modules.batchnorm import _BatchNorm
+
+from ._optimizer_wrappers import OptimizerLike
 
 __all__ = [
     "LOW_PRECISION_DTYPES",
@@ -19,6 +21,7 @@ __all__ = [
     "check_trainable_dtype",
     "convert_module",
     "convert_network",
+    "master_params",
     "swap_in_fp32_masters",
 ]
 
@@ -131,3 +134,19 @@ def convert_network(network: _M, dtype: torch.dtype) -> _M:
         if isinstance(module, nn.RNNBase):
             module.flatten_parameters()
     return network
+
+
+def master_params(optimizer: OptimizerLike) -> Iterator[torch.Tensor]:
+    """Yield every parameter the optimizer steps: the fp32 masters under O2/O5.
+
+    Clip gradients and read optimizer-side values through these, not ``model.parameters()``:
+    under master weights the model's own low-precision ``.grad`` stay scaled. An ``amp.optimizers``
+    optimizer with ``materialize_master_grads=False`` keeps no fp32 master grads; between
+    ``scale_loss`` and ``step`` this makes them, for that step, so that clipping them works as in Apex
+    (the masters of a list kept from an earlier call hold grads that raise when read).
+    """
+    stash = getattr(optimizer, "_amp_stash", None)
+    if stash is not None:
+        stash.prepare_master_grads()
+    for group in optimizer.param_groups:
+        yield from group["params"]

@@ -8,7 +8,7 @@ builds one.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterator, List, Mapping, Tuple, TypeVar, Union, overload
+from typing import TYPE_CHECKING, Any, List, Mapping, Tuple, TypeVar, Union, overload
 
 import torch
 import torch.distributed as dist
@@ -19,6 +19,7 @@ from ._amp_state import _amp_state
 from ._apex_presets import O0, O1, O2, O3, opt_levels  # noqa: F401  (Apex's names on this module)
 from ._initialize import _initialize
 from ._logging import maybe_print
+from ._master_weights import master_params
 from ._optimizer_wrappers import OptimizerLike, OptimizerWrapper, is_optimizer
 from ._run import AmpContext
 from .options import OPT_LEVELS, Options, check_bool, check_option, patch_type_of
@@ -256,22 +257,6 @@ def load_state_dict(state_dict: dict[str, Any], optimizer: OptimizerLike | None 
     loads one run's dict (the whole checkpoint of a single run, or one ``"runN"`` entry).
     """
     _checkpoint.load_state_dict(state_dict, None if optimizer is None else _stash(optimizer).context)
-
-
-def master_params(optimizer: OptimizerLike) -> Iterator[torch.Tensor]:
-    """Yield every parameter the optimizer steps: the fp32 masters under O2/O5.
-
-    Clip gradients and read optimizer-side values through these, not ``model.parameters()``:
-    under master weights the model's own low-precision ``.grad`` stay scaled. An ``amp.optimizers``
-    optimizer with ``materialize_master_grads=False`` keeps no fp32 master grads; between
-    ``scale_loss`` and ``step`` this makes them, for that step, so that clipping them works as in Apex
-    (the masters of a list kept from an earlier call hold grads that raise when read).
-    """
-    stash = getattr(optimizer, "_amp_stash", None)
-    if stash is not None:
-        stash.prepare_master_grads()
-    for group in optimizer.param_groups:
-        yield from group["params"]
 
 
 def _stash(optimizer: OptimizerLike) -> OptimizerController:

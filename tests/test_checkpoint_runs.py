@@ -111,7 +111,7 @@ def test_a_dynamic_run_checkpoint_is_refused_by_a_static_run_in_its_place():
     runs = [initialized("O2"), initialized("O5")]
     saved = amp.state_dict()
     del runs
-    runs = [initialized("O5"), initialized("O2")]
+    runs = [initialized("O5"), initialized("O2")]  # noqa: F841  (kept in use)
     with pytest.raises(RuntimeError, match="saved dynamic but the live one is static"):
         amp.load_state_dict(saved)
 

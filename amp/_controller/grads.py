@@ -184,7 +184,7 @@ class GradsAtExit:
         if not self.warned and self.changed(params):
             self.warned = True
             warn_at_caller(
-                f"amp: the model's low-precision gradients were changed after amp.scale_loss exited "
+                "amp: the model's low-precision gradients were changed after amp.scale_loss exited "
                 "(torch.nn.utils.clip_grad_norm_(model.parameters(), ...)? p.grad = ...?). Under "
                 "master weights (O2/O5) the step is taken on the fp32 master weights, whose gradients amp unscaled "
                 "from the model's at the block's exit, and the model's gradients still carry the loss "

@@ -6,8 +6,8 @@ library and ``apex``: mmengine's ``ApexOptimWrapper``, timm's ``ApexScaler``, De
 ``"amp"`` config block, and the shape of NVIDIA's BERT pretraining loop and GNMT's scale read
 (DeepLearningExamples, scripts not packaged). Each trains the tests' ``Net`` on the same batches
 as a plain fp32 run computed first, in the same process, before anything is initialized. A
-library that is not installed is skipped: they are not amp's dependencies, and CI does not install
-them (``docs/apex-dropin.md`` lists the versions these tests were run against).
+library that is not installed is skipped: they are not amp's dependencies; ``.ci/run`` installs the
+pinned versions that ``docs/apex-dropin.md`` lists, so CI runs every client.
 """
 import importlib.util
 import json

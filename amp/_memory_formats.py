@@ -7,7 +7,7 @@ made channels_last after ``amp.initialize`` (its fp32 masters keep the format th
 with), optimizer state loaded from a checkpoint of a model in another format. So when an op of
 ``amp.multi_tensor_apply`` refuses a call, it asks ``restaged`` for the same call with each such
 tensor replaced by a copy in the memory format of its index's reference tensor (the first list
-the op writes: the outputs of scale and axpby, the params of sgd and adam), and runs that, copying
+the op writes: the outputs of scale and axpby, the params of sgd, adam and lamb), and runs that, copying
 written copies back. Correct at the cost of a copy, and free on the common path: the retry follows
 a refusal, and a refused call has written nothing.
 """
@@ -23,7 +23,7 @@ __all__ = ["restaged", "write_back"]
 
 # The first list each op writes: its tensors are the references that the others are laid out as.
 _REFERENCE_LIST = {"multi_tensor_scale": 1, "multi_tensor_axpby": 2, "multi_tensor_sgd": 1,
-                   "multi_tensor_adam": 1}
+                   "multi_tensor_adam": 1, "multi_tensor_lamb": 1}
 
 #: (original, copy) pairs whose copy the op writes and which ``write_back`` copies back.
 WriteBack = List[Tuple[torch.Tensor, torch.Tensor]]
@@ -56,7 +56,7 @@ def restaged(op: str, tensor_lists: Sequence[Sequence[torch.Tensor]]
                 with torch.no_grad():
                     tensors[i] = torch.empty_like(ref, dtype=original.dtype).copy_(original)
                 staged = True
-                if k > reference:  # sgd's and adam's state and copies
+                if k > reference:  # the fused steps' state and copies
                     write.append((original, tensors[i]))
     if not staged:
         return None

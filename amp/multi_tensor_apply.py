@@ -41,7 +41,7 @@ written for Apex may equally pass ``amp_C.multi_tensor_scale`` to the applier.
 Memory formats: both implementations pair the tensors of one index in memory order and refuse
 tensors stored in different orders (a channels_last param with a contiguous grad). amp can hand
 them such tensors itself (a ``.grad`` the user assigned, a model made channels_last after
-``initialize``), so scale, axpby, sgd and adam here run a call refused for that again on copies in
+``initialize``), so scale, axpby, sgd, adam and lamb here run a call refused for that again on copies in
 one memory format (``amp._memory_formats``); ``amp_C``'s ops called directly refuse it.
 
 Types: ``tensor_lists`` is a sequence of equally long sequences of tensors (``TensorLists``); a
@@ -458,3 +458,14 @@ def multi_tensor_adam(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: Te
     when ``noop_flag`` is set (see ``amp._pytorch_ops.multi_tensor_adam`` for the arithmetic)."""
     return _run("multi_tensor_adam", chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, epsilon,
                 step, mode, bias_correction, weight_decay, inv_scale)
+
+
+def multi_tensor_lamb(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: TensorLists, lr: float,
+                      beta1: float, beta2: float, epsilon: float, step: int, bias_correction: int,
+                      weight_decay: float, grad_averaging: int, mode: int, global_grad_norm: Scalar,
+                      max_grad_norm: float, use_nvlamb: bool | None = None, inv_scale: Scalar = 1.0) -> None:
+    """Fused LAMB step on ``[grads, params, exp_avgs, exp_avg_sqs(, model_copies)]``; a no-op when
+    ``noop_flag`` is set (see ``amp._pytorch_ops.multi_tensor_lamb`` for the arithmetic)."""
+    return _run("multi_tensor_lamb", chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, epsilon,
+                step, bias_correction, weight_decay, grad_averaging, mode, global_grad_norm,
+                max_grad_norm, use_nvlamb, inv_scale)

@@ -294,7 +294,8 @@ void check_output_overlap(const char* op, const TensorListList& tensor_lists) {
 }
 
 void check_fused_dtypes(const char* op, const TensorLists& lists, const ListNames& names) {
-  const bool is_adam = std::string(op) == "multi_tensor_adam";
+  // adam and lamb also take low-precision grads with fp32 params and state.
+  const bool is_adam = std::string(op) == "multi_tensor_adam" || std::string(op) == "multi_tensor_lamb";
   const bool has_copies = names.back() == "model_copies";
   const int masters_end = lists.depth - (has_copies ? 1 : 0);
   bool fp32_masters = true;
@@ -388,13 +389,17 @@ Scalar scalar(const char* op, const char* name, const FloatArg& value, const at:
   return {0.f, t.data_ptr<float>()};
 }
 
+int64_t step_number(const char* op, const HostNumber& step) {
+  integer(op, "step", step);
+  if (!step.fits_int64 || step.integer < 1 || step.integer > kMaxAdamStep) {
+    refuse_step(op, step.text);
+  }
+  return step.integer;
+}
+
 StepArg adam_step(const char* op, const StepValue& step, const at::Device& device) {
   if (const HostNumber* number = std::get_if<HostNumber>(&step)) {
-    integer(op, "step", *number);
-    if (!number->fits_int64 || number->integer < 1 || number->integer > kMaxAdamStep) {
-      refuse_step(op, number->text);
-    }
-    return {number->integer, nullptr, DType::Int64};
+    return {step_number(op, *number), nullptr, DType::Int64};
   }
   const at::Tensor& t = std::get<at::Tensor>(step);
   const at::ScalarType type = t.scalar_type();

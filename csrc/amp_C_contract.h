@@ -60,6 +60,8 @@ TensorLists check_fused_tensors(const char* op, int64_t chunk_size, const at::Te
 // checked here; another device's is checked by the kernel, see adam_step_of).
 Scalar scalar(const char* op, const char* name, const FloatArg& value, const at::Device& device);
 StepArg adam_step(const char* op, const StepValue& step, const at::Device& device);
+// Rule 4 for lamb's step: a Python int from 1 to 2**31 - 1.
+int64_t step_number(const char* op, const HostNumber& step);
 
 // update_scale_hysteresis.
 void check_state_tensor(const char* op, const char* name, const at::Tensor& t,

@@ -129,6 +129,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("beta1"), py::arg("beta2"), py::arg("epsilon"), py::arg("step"), py::arg("mode"),
         py::arg("bias_correction"), py::arg("weight_decay"), py::arg("inv_scale") = 1.0,
         release());
+  m.def("multi_tensor_lamb", with_chunk_size(&amp_C::multi_tensor_lamb),
+        "fused LAMB step (Apex's) over [grads, params, exp_avgs, exp_avg_sqs(, model_copies)]: "
+        "global-norm clipping, per-tensor trust ratio; a no-op when noop_flag is set",
+        py::arg("chunk_size"), py::arg("noop_flag"), py::arg("tensor_lists"), py::arg("lr"),
+        py::arg("beta1"), py::arg("beta2"), py::arg("epsilon"), py::arg("step"),
+        py::arg("bias_correction"), py::arg("weight_decay"), py::arg("grad_averaging"),
+        py::arg("mode"), py::arg("global_grad_norm"), py::arg("max_grad_norm"),
+        py::arg("use_nvlamb") = py::none(), py::arg("inv_scale") = 1.0, release());
   m.def("update_scale_hysteresis", &amp_C::update_scale_hysteresis,
         "device-side dynamic loss-scale update with hysteresis; returns current_scale. Optional: "
         "clamp the scale into [min_scale, max_scale]; write 1/scale into inv_scale and the skip "

@@ -280,4 +280,32 @@ AMP_HOST_DEVICE inline void adam_element(float grad, float& p, float& m, float& 
   p = add_rn(p, div_rn(mul_rn(f.neg_step_size, m), denom));
 }
 
+// LAMB (Apex's multi_tensor_lamb, "Large Batch Optimization for Deep Learning", You et al.): the
+// first stage of one element, every fp32 operation rounded on its own (no fma), in Apex's order.
+// `clip` is lamb_clip of the call. Updates `m` and `v` in place and returns the update, computed
+// from them before they are stored (the second stage subtracts it times the tensor's ratio).
+AMP_HOST_DEVICE inline float lamb_update(float grad, float p, float& m, float& v, const LambArgs& a,
+                                         float inv_scale, float clip) {
+  float g = div_rn(mul_rn(grad, inv_scale), clip);
+  if (a.l2) g = add_rn(g, mul_rn(a.wd, p));
+  m = add_rn(mul_rn(m, a.beta1), mul_rn(a.beta3, g));
+  v = add_rn(mul_rn(v, a.beta2), mul_rn(mul_rn(a.w2, g), g));
+  const float denom = add_rn(sqrt_rn(div_rn(v, a.bc2)), a.eps);
+  float update = div_rn(div_rn(m, a.bc1), denom);
+  if (a.decoupled) update = add_rn(update, mul_rn(a.wd, p));
+  return update;
+}
+
+// The factor the gradients are divided by: the global gradient norm over max_grad_norm where it
+// exceeds it, else 1 (a NaN norm fails the comparison, as in Apex).
+AMP_HOST_DEVICE inline float lamb_clip(const LambArgs& a) {
+  const float norm = read_scalar(a.global_grad_norm);
+  return norm > a.max_grad_norm ? div_rn(norm, a.max_grad_norm) : 1.f;
+}
+
+// The second stage of one element: the step along the update, scaled by the tensor's ratio.
+AMP_HOST_DEVICE inline float lamb_apply(float p, float update, float ratio) {
+  return sub_rn(p, mul_rn(ratio, update));
+}
+
 }  // namespace amp_C

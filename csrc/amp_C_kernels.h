@@ -99,6 +99,24 @@ struct AdamArgs {
   StepArg step;
 };
 
+// The coefficients of one fused LAMB step (see lamb_update in amp_C_host_device.h): host numbers
+// rounded to fp32, and the bias corrections fp32(1 - beta ** step), computed in fp64.
+struct LambArgs {
+  float beta1;
+  float beta3;        // fp32(1 - beta1) with grad_averaging, else 1
+  float beta2;
+  float w2;           // fp32(1 - beta2)
+  float eps;
+  float bc1;          // 1 without bias_correction
+  float bc2;
+  float wd;
+  bool l2;            // mode 0 and wd != 0: the decay is added to the gradient
+  bool decoupled;     // mode 1 and wd != 0: the decay is added to the update
+  float max_grad_norm;
+  Scalar global_grad_norm;
+  Scalar inv_scale;
+};
+
 // CPU twins (csrc/cpu/*.cpp), parallel over tensors and elements.
 void multi_tensor_scale_cpu(int64_t chunk_size, Flag flag, const TensorLists& lists, Scalar scale);
 void multi_tensor_axpby_cpu(int64_t chunk_size, Flag flag, const TensorLists& lists, Scalar a,
@@ -109,6 +127,13 @@ void multi_tensor_sgd_cpu(int64_t chunk_size, Flag flag, const TensorLists& list
                           const SgdArgs& args);
 void multi_tensor_adam_cpu(int64_t chunk_size, Flag flag, const TensorLists& lists,
                            const AdamArgs& args);
+// LAMB's two element-wise passes: [grads, params, exp_avgs, exp_avg_sqs, updates] (stage 1 writes
+// the moments and the fp32 updates), then [updates, params(, model_copies)] (stage 2 applies each
+// tensor's ratio: `ratios[t]` on the CPU, `ratios[chunk_base + chunk]` per CUDA chunk).
+void multi_tensor_lamb_stage1_cpu(int64_t chunk_size, Flag flag, const TensorLists& lists,
+                                  const LambArgs& args);
+void multi_tensor_lamb_stage2_cpu(int64_t chunk_size, Flag flag, const TensorLists& lists,
+                                  const float* ratios);
 void update_scale_hysteresis_cpu(float* current_scale, int32_t* growth_tracker,
                                  int32_t* hysteresis_tracker, const float* found_inf,
                                  double growth_factor, double backoff_factor,
@@ -137,6 +162,10 @@ void multi_tensor_sgd_cuda(int64_t chunk_size, Flag flag, const TensorLists& lis
                            const SgdArgs& args, void* stream);
 void multi_tensor_adam_cuda(int64_t chunk_size, Flag flag, const TensorLists& lists,
                             const AdamArgs& args, void* stream);
+void multi_tensor_lamb_stage1_cuda(int64_t chunk_size, Flag flag, const TensorLists& lists,
+                                   const LambArgs& args, void* stream);
+void multi_tensor_lamb_stage2_cuda(int64_t chunk_size, Flag flag, const TensorLists& lists,
+                                   const float* chunk_ratios, void* stream);
 void update_scale_hysteresis_cuda(float* current_scale, int32_t* growth_tracker,
                                   int32_t* hysteresis_tracker, const float* found_inf,
                                   double growth_factor, double backoff_factor,

@@ -268,6 +268,132 @@ void multi_tensor_adam(int64_t chunk_size, const at::Tensor& noop_flag,
   if (args.step.ptr != nullptr) bump_versions({noop_flag});  // raised for a step out of range
 }
 
+namespace {
+
+// fp32(1 - beta ** step), computed in fp64 (power_of_step: the same bits on every path).
+float bias_correction_of(double beta, int64_t step) {
+  return static_cast<float>(1.0 - power_of_step(beta, step));
+}
+
+// A 1-D view of `t` in storage order (the contract made sure it is dense), as the fallback takes.
+at::Tensor flat(const at::Tensor& t) { return t.as_strided({t.numel()}, {1}); }
+
+// The L2 norm of each tensor, in fp32, by PyTorch: the fallback computes the same with the same op.
+at::Tensor norms_of(const std::vector<at::Tensor>& tensors) {
+  std::vector<at::Tensor> norms;
+  norms.reserve(tensors.size());
+  for (const at::Tensor& t : tensors) {
+    norms.push_back(at::linalg_vector_norm(flat(t), 2, {}, false, at::kFloat));
+  }
+  return at::stack(norms);
+}
+
+}  // namespace
+
+// LAMB: stage 1 (the moments and each element's update, into an fp32 scratch), then the norms of
+// every param and update and each tensor's ratio by PyTorch ops (those of the fallback, so both
+// paths give the same bits), then stage 2 (the step along the update times the ratio).
+void multi_tensor_lamb(int64_t chunk_size, const at::Tensor& noop_flag,
+                       const TensorListList& tensor_lists, const HostNumber& lr,
+                       const HostNumber& beta1, const HostNumber& beta2,
+                       const HostNumber& epsilon, const HostNumber& step,
+                       const HostNumber& bias_correction, const HostNumber& weight_decay,
+                       const HostNumber& grad_averaging, const HostNumber& mode,
+                       const FloatArg& global_grad_norm, const HostNumber& max_grad_norm,
+                       const std::optional<HostNumber>& use_nvlamb, const FloatArg& inv_scale) {
+  const char* op = "multi_tensor_lamb";
+  const ListNames names = check_call(op, chunk_size, noop_flag, tensor_lists, kAdamLists);
+  const double lr_d = real(op, "lr", lr);
+  const double beta1_d = real(op, "beta1", beta1);
+  const double beta2_d = real(op, "beta2", beta2);
+  const double epsilon_d = real(op, "epsilon", epsilon);
+  const int64_t step_n = step_number(op, step);
+  const bool corrected = on_off(op, "bias_correction", bias_correction);
+  const double weight_decay_d = real(op, "weight_decay", weight_decay);
+  const bool averaging = on_off(op, "grad_averaging", grad_averaging);
+  check_adam_mode(op, mode);
+  const double max_grad_norm_d = real(op, "max_grad_norm", max_grad_norm);
+  const bool nvlamb = use_nvlamb.has_value() && on_off(op, "use_nvlamb", *use_nvlamb);
+  const TensorLists lists = check_fused_tensors(op, chunk_size, noop_flag, tensor_lists, names);
+  if (lists.numel.empty()) return;
+  const at::Device device = noop_flag.device();
+  LambArgs args{};
+  args.global_grad_norm = scalar(op, "global_grad_norm", global_grad_norm, device);
+  args.inv_scale = scalar(op, "inv_scale", inv_scale, device);
+  args.beta1 = static_cast<float>(beta1_d);
+  args.beta3 = averaging ? static_cast<float>(1.0 - beta1_d) : 1.f;
+  args.beta2 = static_cast<float>(beta2_d);
+  args.w2 = static_cast<float>(1.0 - beta2_d);
+  args.eps = static_cast<float>(epsilon_d);
+  args.bc1 = corrected ? bias_correction_of(beta1_d, step_n) : 1.f;
+  args.bc2 = corrected ? bias_correction_of(beta2_d, step_n) : 1.f;
+  args.wd = static_cast<float>(weight_decay_d);
+  args.l2 = mode.integer == 0 && args.wd != 0.f;
+  args.decoupled = mode.integer == 1 && args.wd != 0.f;
+  args.max_grad_norm = static_cast<float>(max_grad_norm_d);
+  const Flag flag = flag_of(noop_flag);
+  const size_t n = lists.numel.size();
+
+  int64_t total = 0;
+  for (int64_t numel : lists.numel) total += numel;
+  const at::Tensor updates = at::empty({total}, noop_flag.options().dtype(at::kFloat));
+  std::vector<at::Tensor> update_views;
+  TensorLists stage1 = lists;
+  stage1.depth = 5;
+  stage1.dtype[4] = DType::Float32;
+  stage1.ptr[4].resize(n);
+  for (size_t i = 0, offset = 0; i < n; offset += lists.numel[i], ++i) {
+    update_views.push_back(updates.narrow(0, static_cast<int64_t>(offset), lists.numel[i]));
+    stage1.ptr[4][i] = update_views.back().data_ptr();
+  }
+  on_device(
+      device, op, [&] { multi_tensor_lamb_stage1_cpu(chunk_size, flag, stage1, args); },
+      [&](void* stream) {
+#if AMP_CUDA_ENABLED
+        multi_tensor_lamb_stage1_cuda(chunk_size, flag, stage1, args, stream);
+#endif
+      });
+
+  at::Tensor ratios = at::full({static_cast<int64_t>(n)}, static_cast<float>(lr_d),
+                               noop_flag.options().dtype(at::kFloat));
+  if (nvlamb || args.wd != 0.f) {  // Apex's rule: the trust ratio where decayed (or NVLAMB)
+    const at::Tensor param_norms = norms_of(tensor_lists[1]);
+    const at::Tensor update_norms = norms_of(update_views);
+    const at::Tensor trusted = param_norms.ne(0).logical_and(update_norms.ne(0));
+    ratios = at::where(trusted, param_norms.div(update_norms).mul(ratios), ratios);
+  }
+  TensorLists stage2;
+  stage2.depth = lists.depth == 5 ? 3 : 2;
+  stage2.numel = lists.numel;
+  stage2.dtype[0] = DType::Float32;
+  stage2.ptr[0] = stage1.ptr[4];
+  stage2.dtype[1] = lists.dtype[1];
+  stage2.ptr[1] = lists.ptr[1];
+  if (lists.depth == 5) {
+    stage2.dtype[2] = lists.dtype[4];
+    stage2.ptr[2] = lists.ptr[4];
+  }
+  on_device(
+      device, op,
+      [&] { multi_tensor_lamb_stage2_cpu(chunk_size, flag, stage2, ratios.data_ptr<float>()); },
+      [&](void* stream) {
+#if AMP_CUDA_ENABLED
+        // The CUDA blocks know their chunk, not their tensor's index: a ratio per chunk.
+        std::vector<int64_t> chunks(n);
+        int64_t total_chunks = 0;
+        for (size_t i = 0; i < n; ++i) {
+          chunks[i] = chunks_of(lists.numel[i], chunk_size);
+          total_chunks += chunks[i];
+        }
+        const at::Tensor repeats = at::tensor(chunks, at::kLong).to(device);
+        const at::Tensor chunk_ratios = ratios.repeat_interleave(repeats, 0, total_chunks).contiguous();
+        multi_tensor_lamb_stage2_cuda(chunk_size, flag, stage2, chunk_ratios.data_ptr<float>(),
+                                      stream);
+#endif
+      });
+  bump_written_versions(tensor_lists, 1);
+}
+
 at::Tensor update_scale_hysteresis(const at::Tensor& current_scale,
                                    const at::Tensor& growth_tracker,
                                    const at::Tensor& hysteresis_tracker,

@@ -73,6 +73,16 @@ void multi_tensor_adam(int64_t chunk_size, const at::Tensor& noop_flag,
                        const HostNumber& bias_correction, const HostNumber& weight_decay,
                        const FloatArg& inv_scale);
 
+// Apex's fused LAMB step, with amp's inv_scale; `use_nvlamb` None is False.
+void multi_tensor_lamb(int64_t chunk_size, const at::Tensor& noop_flag,
+                       const TensorListList& tensor_lists, const HostNumber& lr,
+                       const HostNumber& beta1, const HostNumber& beta2,
+                       const HostNumber& epsilon, const HostNumber& step,
+                       const HostNumber& bias_correction, const HostNumber& weight_decay,
+                       const HostNumber& grad_averaging, const HostNumber& mode,
+                       const FloatArg& global_grad_norm, const HostNumber& max_grad_norm,
+                       const std::optional<HostNumber>& use_nvlamb, const FloatArg& inv_scale);
+
 at::Tensor update_scale_hysteresis(const at::Tensor& current_scale,
                                    const at::Tensor& growth_tracker,
                                    const at::Tensor& hysteresis_tracker,

@@ -57,7 +57,7 @@ _INSTEAD = {
     "multi_tensor_unscale_l2norm": None,
     "multi_tensor_adam": None,
     "update_scale_hysteresis": None,
-    "multi_tensor_lamb": "an optimizer instead of the raw kernel (amp.optimizers, or torch.optim)",
+    "multi_tensor_lamb": None,
     "multi_tensor_lamb_mp": "an optimizer instead of the raw kernel (amp.optimizers, or torch.optim)",
     "multi_tensor_lamb_stage1_cuda": "an optimizer instead of the raw kernel (amp.optimizers, or torch.optim)",
     "multi_tensor_lamb_stage2_cuda": "an optimizer instead of the raw kernel (amp.optimizers, or torch.optim)",

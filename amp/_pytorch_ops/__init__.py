@@ -8,7 +8,7 @@ takes a few dozen tensor operations, work through each tensor in cache-sized sli
 ``chunk_size`` has no launches to cut here, but is checked as ``amp_C`` checks it.
 
 One module per family, as ``torch.optim.adam`` splits its math: ``scale``, ``axpby``, ``l2norm``
-(three ops), ``scale_update`` (``update_scale_hysteresis``), ``sgd`` and ``adam``. What they share:
+(three ops), ``scale_update`` (``update_scale_hysteresis``), ``sgd``, ``adam`` and ``lamb``. What they share:
 ``contract`` (the arguments every op accepts, checked in one order, the same as amp_C's),
 ``storage`` (elements in storage order, fp32 workspaces, the flag) and ``exact`` (the fused steps'
 exact fp32 arithmetic: a software fma, slices, scratch buffers).
@@ -26,6 +26,7 @@ is set (and adam sets it for a device step out of range).
 """
 from .adam import multi_tensor_adam
 from .axpby import multi_tensor_axpby
+from .lamb import multi_tensor_lamb
 from .l2norm import multi_tensor_l2norm, multi_tensor_l2norm_mp, multi_tensor_unscale_l2norm
 from .scale import multi_tensor_scale
 from .scale_update import update_scale_hysteresis
@@ -40,4 +41,5 @@ __all__ = [
     "update_scale_hysteresis",
     "multi_tensor_sgd",
     "multi_tensor_adam",
+    "multi_tensor_lamb",
 ]

@@ -11,11 +11,13 @@ The rules, in the order they are checked; the first one broken is reported.
 2. ``tensor_lists``: as many lists as the op takes, all of one length: ``[in, out]`` (scale),
    ``[x, y, out]`` (axpby), ``[x]`` (the l2norm family), ``[grads, weights, momentum_bufs]`` or
    ``[..., model_copies]`` (sgd), ``[grads, params, exp_avgs, exp_avg_sqs]`` or
-   ``[..., model_copies]`` (adam).
+   ``[..., model_copies]`` (adam, lamb).
 3. ``noop_flag``: a 1-element int32 or float32 tensor.
 4. The op's host numbers, in signature order: a float is a Python int or float, an int a Python
-   int, never a bool (``TypeError``), except adam's ``bias_correction`` (an int or a bool, on when
-   nonzero); adam's ``mode`` is 0 or 1.
+   int, never a bool (``TypeError``), except the on/off ints (adam's and lamb's
+   ``bias_correction``, lamb's ``grad_averaging`` and ``use_nvlamb``, which may also be None: an
+   int or a bool, on when nonzero); ``mode`` is 0 or 1; lamb's ``step`` is an int from 1 to
+   2**31 - 1.
 
    With no tensors in the lists the op stops here: it writes nothing (the l2norm family returns
    zero norms on the flag's device).
@@ -28,14 +30,14 @@ The rules, in the order they are checked; the first one broken is reported.
    contiguous grad) would be paired wrongly.
 6. Chunks: no tensor spans more than 2**31 - 1 chunks of ``chunk_size`` elements, nor, for the
    l2norm family, all of them together: the CUDA launcher numbers chunks in int32.
-7. Across lists: sgd and adam accept only some dtype combinations (``check_fused_dtypes``). An
+7. Across lists: sgd, adam and lamb accept only some dtype combinations (``check_fused_dtypes``). An
    output of scale or axpby (the last list) may share memory only with the inputs at its own
-   index, and only exactly (in place, Apex's ``scale(x, x)``); no two tensors of sgd or adam share
+   index, and only exactly (in place, Apex's ``scale(x, x)``); no two tensors of sgd, adam or lamb share
    a byte.
 8. Writes: ``noop_flag`` is on the tensors' device; no written tensor (the flag, then the written
    lists in order) is an inference tensor outside ``torch.inference_mode()`` (``RuntimeError``).
 9. The coefficients that may be tensors, in signature order: ``scale``, ``a``, ``b``,
-   ``inv_scale`` are a float (rule 4) or a 1-element float32 tensor on the tensors' device or the
+   lamb's ``global_grad_norm``, ``inv_scale`` are a float (rule 4) or a 1-element float32 tensor on the tensors' device or the
    CPU (read on the host there, which costs no synchronisation). Adam's ``step`` is the step number
    after this update, a whole number from 1 to 2**31 - 1: a Python int, or a 1-element int32, int64
    or float32 tensor on the tensors' device. On the CPU a tensor's value is checked like an int's.
@@ -329,14 +331,14 @@ def check_output_overlap(op, tensor_lists):
 
 
 def check_fused_dtypes(op, tensor_lists, names):
-    """Rule 7 for sgd and adam: every list one dtype; fp16/bf16 grads with fp32 params and state
+    """Rule 7 for sgd, adam and lamb: every list one dtype; fp16/bf16 grads with fp32 params and state
     (adam's 4 lists); with a model-copy list, grads of any dtype, fp32 weights and state and an
     fp16/bf16 copy."""
     dtypes = [tensors[0].dtype for tensors in tensor_lists]
     has_copies = names[-1] == "model_copies"
     grads, masters = dtypes[0], dtypes[1:len(dtypes) - has_copies]
     fp32_masters = all(d == torch.float32 for d in masters)
-    is_adam = op == "multi_tensor_adam"
+    is_adam = op in ("multi_tensor_adam", "multi_tensor_lamb")  # also low-precision grads, fp32 state
     if has_copies:
         ok = fp32_masters and dtypes[-1] in _LOW_PRECISION
     elif is_adam and grads in _LOW_PRECISION and fp32_masters:
@@ -354,7 +356,7 @@ def check_fused_dtypes(op, tensor_lists, names):
 
 
 def check_no_shared_memory(op, tensor_lists):
-    """Rule 7 for sgd and adam: every list but the grads is written, so no two tensors may share a
+    """Rule 7 for sgd, adam and lamb: every list but the grads is written, so no two tensors may share a
     byte. Names the first overlapping pair in address order."""
     ranges = _ranges(tensor_lists)
     for earlier, later in zip(ranges, ranges[1:]):
@@ -399,7 +401,7 @@ def check_outputs(op, noop_flag, device, tensor_lists, names):
 
 
 def check_fused_tensors(op, chunk_size, noop_flag, tensor_lists, names):
-    """Rules 5 to 8 for sgd and adam, which write every list but the grads; returns the tensors'
+    """Rules 5 to 8 for sgd, adam and lamb, which write every list but the grads; returns the tensors'
     device, or None when the lists hold no tensors."""
     device = check_tensors(op, chunk_size, tensor_lists, names)
     if device is not None:
@@ -443,15 +445,20 @@ def _refuse_step(op, value):
                      f"got {_show_step(value)}")
 
 
+def step_number(op, step):
+    """Rule 4 for lamb's step (and adam's as an int): a Python int from 1 to 2**31 - 1."""
+    value = integer(op, "step", step)
+    if not 1 <= value <= MAX_ADAM_STEP:
+        _refuse_step(op, value)
+    return value
+
+
 def adam_step(op, step, device):
     """Adam's step as ``(step, valid)``: a 0-dim int64 tensor on ``device``, and None where the
     step was checked here (an int, a CPU tensor), else a 0-dim bool tensor on ``device`` saying
     whether it is in range, computed there without a host read (the step is then 1 where not)."""
     if not isinstance(step, torch.Tensor):
-        value = integer(op, "step", step)
-        if not 1 <= value <= MAX_ADAM_STEP:
-            _refuse_step(op, value)
-        return torch.full((), value, dtype=torch.int64, device=device), None
+        return torch.full((), step_number(op, step), dtype=torch.int64, device=device), None
     if step.numel() != 1 or step.dtype not in _STEP_DTYPES or step.device != device:
         raise ValueError(
             f"{op}: step must be a Python int or a 1-element int32, int64 or float32 tensor on "

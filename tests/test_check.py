@@ -205,7 +205,7 @@ def test_the_command_exits_1_and_names_the_wrong_op_and_device(kernels_with, cap
     assert re.search(r"^  multi_tensor_scale\s+pass\s*$", out, re.M)
     # amp's own first-use self-test, which amp.check shows too, finds it as well.
     assert re.search(r"\[fail\] first-use self-test on cpu: \d+ cases, multi_tensor_axpby: .* with amp_C but", out)
-    assert "amp.check: FAILED: 7 passed, 2 failed" in out
+    assert "amp.check: FAILED: 8 passed, 2 failed" in out
     assert "  failed: multi_tensor_axpby on cpu: " in out
 
 
@@ -289,9 +289,9 @@ def test_without_amp_C_the_reason_is_said_once_and_the_pytorch_path_is_verified(
     assert report.passed and text.count("No module named 'amp_C'") == 1
     assert text.count(mta._BUILD_HINT) == 1
     assert [line for line in text.splitlines() if "[skip]" in line] == [
-        "  [skip] 9 checks (first-use self-test ... multi_tensor_adam) on cpu: amp_C is not built",
+        "  [skip] 10 checks (first-use self-test ... multi_tensor_lamb) on cpu: amp_C is not built",
         "  [skip] unscale timing on cpu: for the reason above"]
-    assert re.search(r"^  amp_C kernels \(9 checks\)\s+skip\s*$", text, re.M)
+    assert re.search(r"^  amp_C kernels \(10 checks\)\s+skip\s*$", text, re.M)
     assert text.splitlines()[-1].startswith("amp.check: PASSED: the PyTorch path is verified (")
     assert text.splitlines()[-1].endswith("amp_C's kernels were not checked (amp_C is not built)")
 

@@ -24,7 +24,7 @@ INT32_MAX = 2**31 - 1
 LIST_COUNTS = {
     "multi_tensor_scale": 2, "multi_tensor_axpby": 3, "multi_tensor_l2norm": 1,
     "multi_tensor_l2norm_mp": 1, "multi_tensor_unscale_l2norm": 1, "multi_tensor_sgd": 3,
-    "multi_tensor_adam": 4,
+    "multi_tensor_adam": 4, "multi_tensor_lamb": 4,
 }
 COEFFICIENTS = {
     "multi_tensor_scale": dict(scale=0.5),
@@ -36,11 +36,14 @@ COEFFICIENTS = {
                              first_run=False, wd_after_momentum=False, scale=1.0),
     "multi_tensor_adam": dict(lr=1e-3, beta1=0.9, beta2=0.999, epsilon=1e-8, step=3, mode=1,
                               bias_correction=1, weight_decay=0.01, inv_scale=1.0),
+    "multi_tensor_lamb": dict(lr=1e-3, beta1=0.9, beta2=0.999, epsilon=1e-6, step=3, bias_correction=1,
+                              weight_decay=0.01, grad_averaging=1, mode=1, global_grad_norm=2.0,
+                              max_grad_norm=1.0, use_nvlamb=None, inv_scale=1.0),
 }
 LIST_OPS = list(LIST_COUNTS)
 SEVERAL_LISTS = [op for op in LIST_OPS if LIST_COUNTS[op] > 1]
 WITH_OUTPUTS = ["multi_tensor_scale", "multi_tensor_axpby"]
-FUSED = ["multi_tensor_sgd", "multi_tensor_adam"]
+FUSED = ["multi_tensor_sgd", "multi_tensor_adam", "multi_tensor_lamb"]
 # Every dtype torch can make on the CPU outside float32, float16 and bfloat16.
 OTHER_DTYPES = sorted({d for d in vars(torch).values() if isinstance(d, torch.dtype)}
                       - {torch.float32, torch.float16, torch.bfloat16}, key=str)
@@ -155,7 +158,11 @@ LIST_MISUSES = [
         ("multi_tensor_adam", "lr", False), ("multi_tensor_adam", "beta1", torch.tensor(0.9)),
         ("multi_tensor_adam", "mode", 2), ("multi_tensor_adam", "mode", 1.0), ("multi_tensor_adam", "mode", True),
         ("multi_tensor_adam", "mode", 2**70), ("multi_tensor_adam", "bias_correction", 1.0),
-        ("multi_tensor_adam", "weight_decay", 1j))),
+        ("multi_tensor_adam", "weight_decay", 1j),
+        ("multi_tensor_lamb", "grad_averaging", 0.5), ("multi_tensor_lamb", "use_nvlamb", "yes"),
+        ("multi_tensor_lamb", "mode", 3), ("multi_tensor_lamb", "max_grad_norm", None),
+        ("multi_tensor_lamb", "step", 0), ("multi_tensor_lamb", "step", 2**31),
+        ("multi_tensor_lamb", "step", torch.ones(1, dtype=torch.int64)))),
     # rule 5: each tensor
     *((f"a {dtype} tensor in list {k}", op, replace(k, 0, lambda t, dtype=dtype: t.to(dtype)))
       for dtype in OTHER_DTYPES if can_make(dtype) for op in LIST_OPS for k in {0, LIST_COUNTS[op] - 1}),
@@ -187,7 +194,8 @@ LIST_MISUSES = [
     # rule 9: coefficients that may be tensors
     *((f"{name} as {what}", op, arg(name, make)) for op, name in (
         ("multi_tensor_scale", "scale"), ("multi_tensor_axpby", "a"), ("multi_tensor_axpby", "b"),
-        ("multi_tensor_unscale_l2norm", "inv_scale"), ("multi_tensor_sgd", "scale"), ("multi_tensor_adam", "inv_scale"))
+        ("multi_tensor_unscale_l2norm", "inv_scale"), ("multi_tensor_sgd", "scale"), ("multi_tensor_adam", "inv_scale"),
+        ("multi_tensor_lamb", "global_grad_norm"), ("multi_tensor_lamb", "inv_scale"))
       for what, make in (("a float64 tensor", lambda: torch.ones(1, dtype=torch.float64)),
                          ("a 2-element tensor", lambda: torch.ones(2)), ("a meta tensor", lambda: torch.ones(1, device="meta")),
                          ("a bool", lambda: True), ("a string", lambda: "1.0"))),

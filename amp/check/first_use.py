@@ -187,6 +187,22 @@ def _adam_cases(device: torch.device) -> Iterator[Case]:
     return _optimizer_cases("multi_tensor_adam", device, _adam_forms(), configs, step_and_scale, special, (3,))
 
 
+def _lamb_cases(device: torch.device) -> Iterator[Case]:
+    # (lr, beta1, beta2, eps); then step, bias_correction, weight_decay, grad_averaging, mode,
+    # global_grad_norm, max_grad_norm, use_nvlamb and inv_scale come from ``extra``.
+    configs = [(1e-3, 0.9, 0.999, 1e-6), (1e-2, 0.3, 0.99, 1e-8), (1e-2, 0.0, 0.9, 1e-6)]
+
+    def extra(i: int) -> Tuple[Any, ...]:
+        on_device = i % 2 == 0
+        return (i + 1, int(i % 3 != 2), 1e-2 * (i % 2), int(i % 4 != 3), i % 2,
+                _coefficient(3.0 if i % 3 else 0.5, device, on_device), 1.0, i % 5 == 4,
+                _coefficient(2.0**-10, device, on_device))
+
+    def special(on_device: bool) -> Tuple[Any, ...]:
+        return (*configs[0], *extra(0 if on_device else 1))
+    return _optimizer_cases("multi_tensor_lamb", device, _adam_forms(), configs, extra, special, (3,))
+
+
 _CASES: Dict[str, Callable[[torch.device], Iterator[Case]]] = {
     "multi_tensor_scale": _scale_cases,
     "multi_tensor_axpby": _axpby_cases,
@@ -196,6 +212,7 @@ _CASES: Dict[str, Callable[[torch.device], Iterator[Case]]] = {
     "update_scale_hysteresis": _hysteresis_cases,
     "multi_tensor_sgd": _sgd_cases,
     "multi_tensor_adam": _adam_cases,
+    "multi_tensor_lamb": _lamb_cases,
 }
 
 

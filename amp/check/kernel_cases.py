@@ -307,7 +307,8 @@ def _sgd_forms() -> List[Tuple[torch.dtype, ...]]:
 
 
 def _adam_forms() -> List[Tuple[torch.dtype, ...]]:
-    """Dtypes of [grads, params, exp_avgs, exp_avg_sqs(, model_copies)] that multi_tensor_adam takes."""
+    """Dtypes of [grads, params, exp_avgs, exp_avg_sqs(, model_copies)] that multi_tensor_adam (and
+    multi_tensor_lamb) takes."""
     same: List[Tuple[torch.dtype, ...]] = [(d,) * 4 for d in DTYPES]
     mixed: List[Tuple[torch.dtype, ...]] = [(g, torch.float32, torch.float32, torch.float32) for g in LOW]
     copies: List[Tuple[torch.dtype, ...]] = [(g, torch.float32, torch.float32, torch.float32, c)
@@ -400,6 +401,49 @@ def _adam_cases(device: torch.device, quick: bool) -> Iterator[Case]:
                    call(op, special(poison=(value, where))))
 
 
+def _lamb_cases(device: torch.device, quick: bool) -> Iterator[Case]:
+    op = "multi_tensor_lamb"
+    # (lr, beta1, beta2, eps, step, bias_correction, weight_decay, grad_averaging, mode,
+    #  global_grad_norm, max_grad_norm, use_nvlamb): clipped or not, L2 / decoupled, NVLAMB.
+    configs: List[Tuple[Any, ...]] = [
+        (1e-3, 0.9, 0.999, 1e-6, 1, 1, 0.01, 1, 1, 3.0, 1.0, False),
+        (1e-2, 0.3, 0.99, 1e-8, 7, 1, 0.01, 0, 0, 0.5, 1.0, None),
+        (1e-3, 0.9, 0.999, 1e-6, 1000, 0, 0.0, 1, 1, 2.0, 4.0, True),
+        (1e-2, 0.0, 0.9, 1e-6, 3, 1, 0.0, 1, 0, 10.0, 1.0, False),
+    ]
+    for layout in _layouts(quick, many=50):
+        forms = _adam_forms() if layout in _main_layouts(quick) else [_adam_forms()[-1]]
+        chosen = configs if layout in _main_layouts(quick) else configs[:1]
+        for i, (form, config) in enumerate(_quick_subset(quick, [(f,) for f in forms], chosen)):
+            def make(layout: Layout = layout, form: Tuple[torch.dtype, ...] = form,
+                     config: Tuple[Any, ...] = config, seed: int = i) -> Tuple[Any, ...]:
+                gen = torch.Generator().manual_seed(600 + seed)
+                lists = _optimizer_lists(gen, layout.sizes, form, device, grad_scale=1024.0, positive=(3,))
+                return (layout.chunk, _flag(device), lists, *config, 2.0**-10)
+            label = "/".join(dtype_name(d) for d in form)
+            yield Case(f"[{label}], lr/beta1/beta2/eps/step/bias_correction/wd/grad_averaging/mode/"
+                       f"global_norm/max_norm/nvlamb={config}, {layout.label}", call(op, make))
+    nine = _sizes(1, 9, CHUNK)
+
+    def special(flag_value: int = 0, poison: Optional[Tuple[float, str]] = None,
+                tensors: bool = False) -> Callable[[], Tuple[Any, ...]]:
+        def make() -> Tuple[Any, ...]:
+            gen = torch.Generator().manual_seed(601)
+            lists = _optimizer_lists(gen, nine, _adam_forms()[-1], device, grad_scale=1024.0, positive=(3,))
+            if poison is not None:
+                _poison(lists[0], poison[1], poison[0])
+            norm: Any = torch.tensor([3.0], device=device) if tensors else 3.0
+            scale: Any = torch.tensor([2.0**-10], device=device) if tensors else 2.0**-10
+            return (CHUNK, _flag(device, flag_value), lists, 1e-3, 0.9, 0.999, 1e-6, 5, 1, 0.01, 1, 1, norm,
+                    1.0, False, scale)
+        return make
+    yield Case("a set flag writes nothing", call(op, special(flag_value=1)))
+    yield Case("device tensors as global_grad_norm and inv_scale", call(op, special(tensors=True)))
+    for value, where in _quick_subset(quick, [(v,) for v in NON_FINITE], WHERE):
+        yield Case(f"{value} at the {where} grad element (flag clear)",
+                   call(op, special(poison=(value, where))))
+
+
 def cases(op: str, device: torch.device, quick: bool) -> Iterator[Case]:
     if op == "multi_tensor_scale":
         return _scale_cases(device, quick)
@@ -413,4 +457,6 @@ def cases(op: str, device: torch.device, quick: bool) -> Iterator[Case]:
         return _sgd_cases(device, quick)
     if op == "multi_tensor_adam":
         return _adam_cases(device, quick)
+    if op == "multi_tensor_lamb":
+        return _lamb_cases(device, quick)
     raise ValueError(f"amp.check has no self-test for {op}")

@@ -6,6 +6,7 @@ They are ordinary ``torch.optim.Optimizer`` s: they work without amp, with LR sc
 ``torch.amp.GradScaler``, on the CPU and on CUDA.
 """
 from .fused_adam import FusedAdam
+from .fused_lamb import FusedLAMB
 from .fused_sgd import FusedSGD
 
-__all__ = ["FusedSGD", "FusedAdam"]
+__all__ = ["FusedSGD", "FusedAdam", "FusedLAMB"]

@@ -1,4 +1,4 @@
-"""What ``FusedSGD`` and ``FusedAdam`` share: validation, one op call per kind of tensor, amp's inputs.
+"""What amp's fused optimizers share: validation, one op call per kind of tensor, amp's inputs.
 
 A step groups the parameters of each param group by device and dtypes, so that one
 ``multi_tensor_*`` call serves each combination, and reads no host value: the overflow flag and
@@ -129,10 +129,15 @@ class FusedOptimizer(torch.optim.Optimizer):
         if from_model and grad_scale is not None:
             raise RuntimeError(f"{type(self).__name__}.step got a grad_scale while amp left the model's "
                                "gradients scaled by its own loss scale; use amp or GradScaler, not both.")
+        self._step_groups(plans, found_inf, inv_scale, model_inv_scale)
+        return loss
+
+    def _step_groups(self, plans: list[dict[BucketKey, Bucket]], found_inf: torch.Tensor | None,
+                     inv_scale: Scalar, model_inv_scale: Scalar) -> None:
+        """Step every param group with its buckets (``plans``, one per group)."""
         for group, buckets in zip(self.param_groups, plans):
             if buckets:
                 self._step_group(group, buckets, found_inf, inv_scale, model_inv_scale)
-        return loss
 
     def _step_group(self, group: dict[str, Any], buckets: dict[BucketKey, Bucket],
                     found_inf: torch.Tensor | None, inv_scale: Scalar, model_inv_scale: Scalar) -> None:

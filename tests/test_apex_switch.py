@@ -35,8 +35,8 @@ BUILT_AMP_C = _apex_finder.PathFinder.find_spec("amp_C") is not None
 # The public names of the modules of Apex e13873de (the last Apex with amp) that the switch serves:
 # its module-level definitions and what its __init__ files re-export (`git show
 # e13873de:apex/parallel/distributed.py` ...), and the underscored ones Apex-era code reads
-# (apex.amp._amp_state, ...). Left out: Apex's optimizers that amp does not offer (FusedLAMB,
-# FusedNovoGrad, FusedAdagrad, FusedMixedPrecisionLamb), and apex's own `transformer` and logging
+# (apex.amp._amp_state, ...). Left out: Apex's optimizers that amp does not offer (FusedNovoGrad,
+# FusedAdagrad, FusedMixedPrecisionLamb), and apex's own `transformer` and logging
 # handler for apex.transformer.
 APEX_NAMES = {
     "apex": ["amp", "fp16_utils", "normalization", "optimizers", "parallel", "deprecated_warning",
@@ -115,12 +115,13 @@ APEX_NAMES = {
     "apex.parallel.multiproc": [],
     "apex.multi_tensor_apply": ["MultiTensorApply", "multi_tensor_applier"],
     "apex.multi_tensor_apply.multi_tensor_apply": ["MultiTensorApply"],
-    "apex.optimizers": ["FusedSGD", "FusedAdam"],
+    "apex.optimizers": ["FusedSGD", "FusedAdam", "FusedLAMB"],
     "apex.optimizers.fused_sgd": ["FusedSGD"],
     "apex.optimizers.fused_adam": ["FusedAdam"],
+    "apex.optimizers.fused_lamb": ["FusedLAMB"],
     "amp_C": ["multi_tensor_scale", "multi_tensor_l2norm", "multi_tensor_axpby", "multi_tensor_sgd",
               "multi_tensor_adam", "multi_tensor_l2norm_mp", "multi_tensor_l2norm_scale",
-              "multi_tensor_unscale_l2norm", "update_scale_hysteresis",
+              "multi_tensor_unscale_l2norm", "update_scale_hysteresis", "multi_tensor_lamb",
               "multi_tensor_lamb_stage1_cuda", "multi_tensor_lamb_stage2_cuda"],
     "apex_C": ["flatten", "unflatten"],
 }

@@ -154,6 +154,7 @@ def kernels_with(monkeypatch):
     ("multi_tensor_axpby", flip_one_bit(_torch_ops.multi_tensor_axpby)),
     ("multi_tensor_sgd", flip_one_bit(_torch_ops.multi_tensor_sgd, index=1)),
     ("multi_tensor_adam", flip_one_bit(_torch_ops.multi_tensor_adam, index=3)),
+    ("multi_tensor_lamb", flip_one_bit(_torch_ops.multi_tensor_lamb, index=1)),
     ("update_scale_hysteresis", flip_one_bit(_torch_ops.update_scale_hysteresis, argument=0, index=None)),
     ("multi_tensor_scale", ignore_the_flag(_torch_ops.multi_tensor_scale)),
     ("multi_tensor_axpby", ignore_the_flag(_torch_ops.multi_tensor_axpby)),
@@ -161,6 +162,7 @@ def kernels_with(monkeypatch):
     ("multi_tensor_l2norm_mp", ignore_the_flag(_torch_ops.multi_tensor_l2norm_mp)),
     ("multi_tensor_sgd", ignore_the_flag(_torch_ops.multi_tensor_sgd)),
     ("multi_tensor_adam", ignore_the_flag(_torch_ops.multi_tensor_adam)),
+    ("multi_tensor_lamb", ignore_the_flag(_torch_ops.multi_tensor_lamb)),
 ], ids=lambda v: v if isinstance(v, str) else v.__qualname__.split(".")[0])
 def test_a_wrong_kernel_fails_its_self_test(kernels_with, op, wrong):
     kernels_with()

@@ -138,17 +138,17 @@ out["saved_amp_keys"] = sorted(amp.state_dict())
 print(json.dumps(out))
 '''
 
-# NVIDIA's BERT pretraining (run_pretraining.py) at O2: its resume through Apex's lazy init and a
+# NVIDIA's BERT pretraining (run_pretraining.py) at O2 with FusedLAMB: its resume through Apex's lazy init and a
 # copy of the saved masters; GNMT's trainer reads the scale through _amp_state.loss_scalers.
 BERT_GNMT = r'''
 import copy
 from apex import amp
 from apex.amp import _amp_state
-from apex.optimizers import FusedAdam
+from apex.optimizers import FusedLAMB
 ''' + FP32_RUN + r'''
 SAVE = 4
-def make(params):
-    return FusedAdam(params, lr=0.01, eps=1e-4)
+def make(params):  # BERT pretraining's optimizer and its defaults but the learning rate
+    return FusedLAMB(params, lr=0.01, weight_decay=0.01, max_grad_norm=1.0)
 
 def train(model, optimizer, steps, losses):
     for step in steps:

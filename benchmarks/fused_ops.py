@@ -1,9 +1,11 @@
-"""The fused optimizer kernels (amp_C.multi_tensor_sgd / multi_tensor_adam) against the limit and the
-fallback.
+"""The fused optimizer kernels (amp_C.multi_tensor_sgd / multi_tensor_adam / multi_tensor_lamb) against
+the limit and the fallback.
 
 Side by side in one process, interleaved repetitions, medians, over the GPT-ish parameter list of
 benchmarks/unscale.py. For each op and dtype form it prints the bytes the kernel must move per
-parameter (grads, weights and state read once; everything but the grads written once), its time against a plain copy of
+parameter (grads, weights and state read once; everything but the grads written once; lamb's two
+passes also write its fp32 updates, read the params and updates for their norms, and read both again
+in the second pass), its time against a plain copy of
 the same bytes on the same device (one fp32 ``copy_`` of bytes/8 elements per parameter: the
 fraction of the copy limit, goal >= 0.8), and against the pure-PyTorch fallback of
 amp._pytorch_ops (what runs without amp_C).
@@ -29,6 +31,9 @@ FORMS = [
     ("adam", torch.float32, torch.float32, None),
     ("adam", torch.float16, torch.float32, torch.float16),
     ("adam", torch.bfloat16, torch.float32, torch.bfloat16),
+    ("lamb", torch.float32, torch.float32, None),
+    ("lamb", torch.float16, torch.float32, torch.float16),
+    ("lamb", torch.bfloat16, torch.float32, torch.bfloat16),
 ]
 
 
@@ -42,7 +47,7 @@ def make_lists(form, shapes, device):
     op, grad_dtype, weight_dtype, copy_dtype = form
     weights = [torch.randn(s, generator=gen).to(device, weight_dtype) for s in shapes]
     lists = [[(w.float() * 0.01).to(grad_dtype) for w in weights], weights]
-    lists += [[torch.zeros_like(w) for w in weights] for _ in range(2 if op == "adam" else 1)]
+    lists += [[torch.zeros_like(w) for w in weights] for _ in range(1 if op == "sgd" else 2)]
     if copy_dtype is not None:
         lists.append([w.to(copy_dtype) for w in weights])
     return lists
@@ -53,14 +58,20 @@ def bytes_per_param(form, lists):
     model copy is only written)."""
     sizes = [tensors[0].element_size() for tensors in lists]
     read = sizes[:-1] if form[3] is not None else sizes
-    return sum(read) + sum(sizes[1:])
+    once = sum(read) + sum(sizes[1:])
+    if form[0] == "lamb":  # the fp32 updates: written, read twice; the params: read twice more
+        return once + 3 * 4 + 2 * sizes[1]
+    return once
 
 
 def step(impl, form, lists, flag):
     if form[0] == "sgd":
         impl.multi_tensor_sgd(CHUNK, flag, lists, 1e-4, 0.9, 0.0, 0.1, False, False, False, 1 / 1024)
-    else:
+    elif form[0] == "adam":
         impl.multi_tensor_adam(CHUNK, flag, lists, 1e-3, 0.9, 0.999, 1e-8, 10, 1, 1, 1e-2, 1 / 1024)
+    else:
+        impl.multi_tensor_lamb(CHUNK, flag, lists, 1e-3, 0.9, 0.999, 1e-6, 10, 1, 1e-2, 1, 1, 3.0, 1.0,
+                               False, 1 / 1024)
 
 
 def medians(candidates, reps, device):

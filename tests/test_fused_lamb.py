@@ -22,6 +22,13 @@ from amp_common import assert_identical, batch, loss_of, net, poison_grad
 
 needs_amp_C = pytest.mark.skipif(amp_C is None, reason="amp_C is not built")
 CHUNK = 64  # small, so that tensors straddle chunks
+DEVICES = ("cpu", pytest.param("cuda", marks=pytest.mark.cuda))
+
+
+def kernel_device(device):
+    if device == "cuda" and not amp_C.cuda_available():
+        pytest.skip("amp_C has no CUDA kernels here, or no GPU is visible")
+    return device
 
 
 # ---- the reference: the paper's LAMB, as Apex applies it ---------------------------------------
@@ -137,7 +144,7 @@ def test_the_trust_ratio_applies_only_to_decayed_tensors_without_nvlamb():
 # ---- amp_C and the fallback -----------------------------------------------------------------------
 
 
-def lamb_lists(form, seed, offset):
+def lamb_lists(form, seed, offset, device="cpu"):
     """Tensors of the dtypes of ``form`` across chunk boundaries, one empty, some one element past
     an aligned address (``offset``)."""
     gen = torch.Generator().manual_seed(seed)
@@ -149,7 +156,7 @@ def lamb_lists(form, seed, offset):
             base = torch.randn(size + offset, generator=gen) * (1024.0 if k == 0 else 0.1 if k > 1 else 1.0)
             if k == 3:
                 base = base.abs()
-            tensors.append(base.to(dtype)[offset:])
+            tensors.append(base.to(device, dtype)[offset:])
         lists.append(tensors)
     return lists
 
@@ -163,17 +170,19 @@ def lamb_call(op, lists, flag, **overrides):
 
 
 @needs_amp_C
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("form", _adam_forms(), ids=str)
 @pytest.mark.parametrize("poison", [None, ("first", float("inf")), ("middle", float("nan")), ("last", -float("inf"))])
 @pytest.mark.parametrize("offset", [0, 1])
-def test_amp_C_matches_the_fallback_bitwise(form, poison, offset):
-    ours, theirs = lamb_lists(form, 7, offset), lamb_lists(form, 7, offset)
+def test_amp_C_matches_the_fallback_bitwise(device, form, poison, offset):
+    device = kernel_device(device)
+    ours, theirs = lamb_lists(form, 7, offset, device), lamb_lists(form, 7, offset, device)
     if poison is not None:
         where, value = poison
         for lists in (ours, theirs):
             grad = lists[0][4]
             grad[{"first": 0, "middle": grad.numel() // 2, "last": -1}[where]] = value
-    flags = [torch.zeros(1, dtype=torch.int32) for _ in range(2)]
+    flags = [torch.zeros(1, dtype=torch.int32, device=device) for _ in range(2)]
     lamb_call(amp_C.multi_tensor_lamb, ours, flags[0])
     lamb_call(_pytorch_ops.multi_tensor_lamb, theirs, flags[1])
     for a, b in zip(sum(ours, []) + flags[:1], sum(theirs, []) + flags[1:]):
@@ -187,11 +196,15 @@ def test_amp_C_matches_the_fallback_bitwise(form, poison, offset):
     dict(bias_correction=0), dict(global_grad_norm=0.5), dict(global_grad_norm=torch.tensor([7.0])),
     dict(inv_scale=torch.tensor([0.5]), max_grad_norm=1e-3), dict(step=2**31 - 1), dict(global_grad_norm=float("nan")),
 ], ids=str)
-def test_amp_C_matches_the_fallback_for_every_option(overrides):
+@pytest.mark.parametrize("device", DEVICES)
+def test_amp_C_matches_the_fallback_for_every_option(device, overrides):
+    device = kernel_device(device)
+    overrides = {name: value.to(device) if isinstance(value, torch.Tensor) else value
+                 for name, value in overrides.items()}
     form = (torch.float16, torch.float32, torch.float32, torch.float32, torch.bfloat16)
-    ours, theirs = lamb_lists(form, 8, 1), lamb_lists(form, 8, 1)
-    lamb_call(amp_C.multi_tensor_lamb, ours, torch.zeros(1), **overrides)
-    lamb_call(_pytorch_ops.multi_tensor_lamb, theirs, torch.zeros(1), **overrides)
+    ours, theirs = lamb_lists(form, 8, 1, device), lamb_lists(form, 8, 1, device)
+    lamb_call(amp_C.multi_tensor_lamb, ours, torch.zeros(1, device=device), **overrides)
+    lamb_call(_pytorch_ops.multi_tensor_lamb, theirs, torch.zeros(1, device=device), **overrides)
     assert_identical(ours, theirs)
 
 

@@ -38,7 +38,7 @@ PYTEST_TOTAL = re.compile(r"\bin \d+(\.\d+)?s\b|no tests ran")
 SPEEDUP = re.compile(r"speed-up over \(a\):\s*([0-9.]+)x")
 COPY_FRACTION = re.compile(r"fraction of the copy limit \(b\):\s*([0-9.]+)")
 # A row of benchmarks/fused_ops.py: form, bytes per param, kernel ms, copy ms, fraction of the copy.
-FUSED_ROW = re.compile(r"^((?:sgd|adam): .*?)\s+(\d+)\s+([0-9.]+)\s+([0-9.]+)\s+([0-9.]+)\s", re.M)
+FUSED_ROW = re.compile(r"^((?:sgd|adam|lamb): .*?)\s+(\d+)\s+([0-9.]+)\s+([0-9.]+)\s+([0-9.]+)\s", re.M)
 
 
 def read(out_dir, name):

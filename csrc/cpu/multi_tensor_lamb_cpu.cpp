@@ -75,8 +75,13 @@ AMP_INLINE void lamb_stage2_typed(const TensorLists& lists, const Piece& p, floa
   if (lists.depth == 2) {
     lamb_stage2_loop<false>(update, param, static_cast<float*>(nullptr), n, ratio);
   } else if (lists.dtype[2] == DType::Float16) {
-    lamb_stage2_loop<true>(update, param, static_cast<half_t*>(lists.ptr[2][t]) + p.begin, n,
-                           ratio);
+    // fp16 copies: fp32 blocks in L1 that to_half() stores eight at a time (a per-element
+    // conversion would cost the loop most of its speed).
+    store_half_in_blocks(static_cast<half_t*>(lists.ptr[2][t]) + p.begin, n,
+                         [&](float* block, int64_t i, int64_t m) {
+                           lamb_stage2_loop<true>(update + i, param + i, block, m, ratio);
+                           return false;
+                         });
   } else {
     lamb_stage2_loop<true>(update, param, static_cast<bf16_t*>(lists.ptr[2][t]) + p.begin, n,
                            ratio);

@@ -122,6 +122,10 @@ def _autocast_on_cuda_or_cpu():
 
 
 def _probe_any_autocast_enabled():
+    # torch 2.3 has the function, but its torch.compile cannot name it in the graph it generates
+    # (every compiled forward of an amp model checks autocast): it counts as absent there.
+    if torch.torch_version.TorchVersion(torch.__version__) < (2, 4):
+        return _autocast_on_cuda_or_cpu
     return getattr(torch._C, "_is_any_autocast_enabled", None) or _autocast_on_cuda_or_cpu
 
 
@@ -134,14 +138,21 @@ def _probe_eager_under_compile():
     return getattr(torch, "_disable_dynamo", None) or _traced_anyway
 
 
+def _names_set_by(cls):
+    """The attribute names ``cls.__init__`` and ``cls._init_flat_weights`` use (their code's names)."""
+    functions = [getattr(cls, name, None) for name in ("__init__", "_init_flat_weights")]
+    return {name for f in functions if hasattr(f, "__code__") for name in f.__code__.co_names}
+
+
 def _probe_rnn_internals():
     rnn = torch.nn.modules.rnn
     missing = [api for api, found in (
         ("torch.nn.modules.rnn._VF", hasattr(rnn, "_VF")),
         ("torch.nn.RNNBase.check_input", hasattr(rnn.RNNBase, "check_input")),
-        # On the meta device: building an RNN on the CPU would draw from the global RNG, so that
-        # `import amp` after seeding would change the user's random numbers.
-        ("torch.nn.RNNBase._flat_weights", hasattr(torch.nn.RNN(1, 1, device="meta"), "_flat_weights")),
+        # Read off the code that sets it: building an RNN would draw from the global RNG (on the
+        # CPU; `import amp` after seeding would change the user's random numbers) or, on the meta
+        # device, import sympy through torch's decompositions (torch 2.3), half a second.
+        ("torch.nn.RNNBase._flat_weights", "_flat_weights" in _names_set_by(rnn.RNNBase)),
     ) if not found]
     if missing:
         return _missing(" and ".join(missing), _ADVICE + ", or use O2/O3, which patch no RNNs")

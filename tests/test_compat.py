@@ -24,7 +24,8 @@ def test_probes_bind_torch_itself():
         assert _compat.foreach_norm is torch._foreach_norm
     assert _compat.is_compiling is torch.compiler.is_compiling
     assert _compat.eager_under_compile is torch._disable_dynamo
-    if hasattr(torch._C, "_is_any_autocast_enabled"):  # torch >= 2.4
+    # torch 2.3 has it too, but its torch.compile cannot trace it.
+    if torch.torch_version.TorchVersion(torch.__version__) >= (2, 4):
         assert _compat.any_autocast_enabled is torch._C._is_any_autocast_enabled
     else:
         assert _compat.any_autocast_enabled is _compat._autocast_on_cuda_or_cpu

@@ -31,7 +31,7 @@ from .._overflow_report import OverflowReporter, non_finite_grad_names
 from .._skip_counts import SkipCounts
 from .grads import GradsAtExit
 from .param_groups import validated_param_group
-from .phase import Phase, combine_flags
+from .phase import Phase, check_phase_for_step, combine_flags
 from .weights import Weights
 
 if TYPE_CHECKING:
@@ -197,18 +197,6 @@ class OptimizerController(ApexStashFields):
         previous = flags.get(loss_id)
         flags[loss_id] = found_inf if previous is None else torch.maximum(previous, found_inf)
 
-    def _check_phase_for_step(self) -> None:
-        """Raise if step() comes before the gradients are unscaled."""
-        if self.phase is Phase.IN_BACKWARD:
-            raise RuntimeError("optimizer.step() was called inside its amp.scale_loss block: the "
-                               "gradients are unscaled when the block exits. Call step() after the "
-                               "`with` block.")
-        if self.phase is Phase.GRADS_SCALED:
-            raise RuntimeError("optimizer.step() was called while the gradients are still scaled: the "
-                               "last amp.scale_loss block used delay_unscale=True and no block without "
-                               "it followed. Run the last backward of the step in a scale_loss block "
-                               "with delay_unscale=False (it unscales everything), then call step().")
-
     @eager_under_compile(recursive=False)
     def step(self, closure: Callable[[], Any] | None = None, *args: Any, **kwargs: Any) -> Any:
         """The wrapped ``optimizer.step``: applied, or skipped if a grad since the last step overflowed.
@@ -235,7 +223,7 @@ class OptimizerController(ApexStashFields):
         """Check, take the overflow flags, and decide: the optimizer skips by itself on ``found_inf``
         (sync-free), or the host reads the flags once and a non-finite step never reaches it."""
         self.weights.check_step(closure, self.phase)
-        self._check_phase_for_step()
+        check_phase_for_step(self.phase)
         if self.master_weights:
             self.grads_at_exit.warn_if_changed(self.weights.low_params)
         self.phase = Phase.READY

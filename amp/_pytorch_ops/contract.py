@@ -14,10 +14,9 @@ The rules, in the order they are checked; the first one broken is reported.
    ``[..., model_copies]`` (adam, lamb).
 3. ``noop_flag``: a 1-element int32 or float32 tensor.
 4. The op's host numbers, in signature order: a float is a Python int or float, an int a Python
-   int, never a bool (``TypeError``), except the on/off ints (adam's and lamb's
-   ``bias_correction``, lamb's ``grad_averaging`` and ``use_nvlamb``, which may also be None: an
-   int or a bool, on when nonzero); ``mode`` is 0 or 1; lamb's ``step`` is an int from 1 to
-   2**31 - 1.
+   int, never a bool (``TypeError``), except the on/off ints (``bias_correction``, lamb's
+   ``grad_averaging`` and ``use_nvlamb``, also None): an int or a bool, on when nonzero; ``mode``
+   is 0 or 1; lamb's ``step`` an int from 1 to 2**31 - 1.
 
    With no tensors in the lists the op stops here: it writes nothing (the l2norm family returns
    zero norms on the flag's device).
@@ -30,19 +29,18 @@ The rules, in the order they are checked; the first one broken is reported.
    contiguous grad) would be paired wrongly.
 6. Chunks: no tensor spans more than 2**31 - 1 chunks of ``chunk_size`` elements, nor, for the
    l2norm family, all of them together: the CUDA launcher numbers chunks in int32.
-7. Across lists: sgd, adam and lamb accept only some dtype combinations (``check_fused_dtypes``). An
-   output of scale or axpby (the last list) may share memory only with the inputs at its own
-   index, and only exactly (in place, Apex's ``scale(x, x)``); no two tensors of sgd, adam or lamb share
-   a byte.
+7. Across lists: the fused steps (sgd, adam, lamb) accept some dtype combinations only
+   (``check_fused_dtypes``) and no two of their tensors share a byte; an output of scale or axpby
+   (the last list) shares memory only with the inputs at its own index, exactly (in place).
 8. Writes: ``noop_flag`` is on the tensors' device; no written tensor (the flag, then the written
    lists in order) is an inference tensor outside ``torch.inference_mode()`` (``RuntimeError``).
-9. The coefficients that may be tensors, in signature order: ``scale``, ``a``, ``b``,
-   lamb's ``global_grad_norm``, ``inv_scale`` are a float (rule 4) or a 1-element float32 tensor on the tensors' device or the
-   CPU (read on the host there, which costs no synchronisation). Adam's ``step`` is the step number
-   after this update, a whole number from 1 to 2**31 - 1: a Python int, or a 1-element int32, int64
-   or float32 tensor on the tensors' device. On the CPU a tensor's value is checked like an int's.
-   Elsewhere reading it would synchronise with the device, so the kernel checks it: a step out of
-   range makes the call a skipped step (nothing is written) and sets ``noop_flag``.
+9. The coefficients that may be tensors, in signature order (``scale``, ``a``, ``b``, lamb's
+   ``global_grad_norm``, ``inv_scale``): a float (rule 4) or a 1-element float32 tensor on the
+   tensors' device or the CPU (read on the host there: no synchronisation). Adam's ``step``, the
+   step number after this update, is a whole number from 1 to 2**31 - 1: a Python int, or a
+   1-element int32, int64 or float32 tensor on the tensors' device, checked like an int's on the
+   CPU; elsewhere by the kernel (a host read would synchronise): out of range, the call is a
+   skipped step (nothing is written) that sets ``noop_flag``.
 
 ``update_scale_hysteresis`` takes no lists. Its rules, in order: ``current_scale``,
 ``growth_tracker``, ``hysteresis_tracker`` and ``found_inf`` are 1-element float32, int32, int32
@@ -433,16 +431,10 @@ def fp32_scalar(op, name, value, device):
     return torch.full((), real(op, name, value), dtype=torch.float32, device=device)
 
 
-def _show_step(value):
-    """A step value as both implementations print it: an int as one, a float with 9 digits."""
-    if isinstance(value, int):
-        return str(value)
-    return "nan" if math.isnan(value) else f"{value:.9g}"
-
-
 def _refuse_step(op, value):
-    raise ValueError(f"{op}: step is the step number after this update, 1 to {MAX_ADAM_STEP}; "
-                     f"got {_show_step(value)}")
+    """A step value as both implementations print it: an int as one, a float with 9 digits."""
+    shown = str(value) if isinstance(value, int) else "nan" if math.isnan(value) else f"{value:.9g}"
+    raise ValueError(f"{op}: step is the step number after this update, 1 to {MAX_ADAM_STEP}; got {shown}")
 
 
 def step_number(op, step):

@@ -124,7 +124,7 @@ def _autocast_on_cuda_or_cpu():
 def _probe_any_autocast_enabled():
     # torch 2.3 has the function, but its torch.compile cannot name it in the graph it generates
     # (every compiled forward of an amp model checks autocast): it counts as absent there.
-    if torch.torch_version.TorchVersion(torch.__version__) < (2, 4):
+    if _torch_release() < (2, 4):
         return _autocast_on_cuda_or_cpu
     return getattr(torch._C, "_is_any_autocast_enabled", None) or _autocast_on_cuda_or_cpu
 
@@ -138,10 +138,20 @@ def _probe_eager_under_compile():
     return getattr(torch, "_disable_dynamo", None) or _traced_anyway
 
 
+def _torch_release():
+    """torch's (major, minor) version."""
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
 def _names_set_by(cls):
     """The attribute names ``cls.__init__`` and ``cls._init_flat_weights`` use (their code's names)."""
-    functions = [getattr(cls, name, None) for name in ("__init__", "_init_flat_weights")]
-    return {name for f in functions if hasattr(f, "__code__") for name in f.__code__.co_names}
+    names = set()
+    for method in ("__init__", "_init_flat_weights"):
+        code = getattr(getattr(cls, method, None), "__code__", None)
+        if code is not None:
+            names.update(code.co_names)
+    return names
 
 
 def _probe_rnn_internals():

@@ -1,5 +1,7 @@
 // CPU twin of multi_tensor_lamb.cu: LAMB's stage 1 (lamb_update) over [grads, params, exp_avgs,
 // exp_avg_sqs, updates] and stage 2 (lamb_apply) over [updates, params(, model_copies)].
+#include <type_traits>
+
 #include "multi_tensor_apply_cpu.h"
 
 namespace amp_C {
@@ -27,12 +29,25 @@ template <typename grad_t, typename param_t>
 AMP_INLINE void lamb_stage1_typed(const TensorLists& lists, const Piece& p, const LambArgs& args,
                                   float inv_scale, float clip) {
   const int64_t t = p.tensor;
-  lamb_stage1_loop(static_cast<const grad_t*>(lists.ptr[0][t]) + p.begin,
-                   static_cast<const param_t*>(lists.ptr[1][t]) + p.begin,
-                   static_cast<param_t*>(lists.ptr[2][t]) + p.begin,
-                   static_cast<param_t*>(lists.ptr[3][t]) + p.begin,
-                   static_cast<float*>(lists.ptr[4][t]) + p.begin, p.end - p.begin, args,
-                   inv_scale, clip);
+  const int64_t n = p.end - p.begin;
+  const grad_t* grad = static_cast<const grad_t*>(lists.ptr[0][t]) + p.begin;
+  const param_t* param = static_cast<const param_t*>(lists.ptr[1][t]) + p.begin;
+  param_t* exp_avg = static_cast<param_t*>(lists.ptr[2][t]) + p.begin;
+  param_t* exp_avg_sq = static_cast<param_t*>(lists.ptr[3][t]) + p.begin;
+  float* update = static_cast<float*>(lists.ptr[4][t]) + p.begin;
+  if constexpr (std::is_same_v<grad_t, half_t> && !std::is_same_v<param_t, half_t>) {
+    // fp16 grads: widened eight at a time into an fp32 block in L1 (a per-element conversion
+    // would cost the loop most of its speed).
+    float block[kHalfBlock];
+    for (int64_t i = 0; i < n; i += kHalfBlock) {
+      const int64_t m = std::min(kHalfBlock, n - i);
+      from_half(block, grad + i, m);
+      lamb_stage1_loop(static_cast<const float*>(block), param + i, exp_avg + i, exp_avg_sq + i,
+                       update + i, m, args, inv_scale, clip);
+    }
+  } else {
+    lamb_stage1_loop(grad, param, exp_avg, exp_avg_sq, update, n, args, inv_scale, clip);
+  }
 }
 
 // Params and state are fp32 or the grads' dtype (checked by the caller).

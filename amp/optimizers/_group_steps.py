@@ -24,7 +24,7 @@ import torch
 
 from ._fused import Bucket, BucketKey, FusedOptimizer, Params
 
-__all__ = ["MomentsOptimizer", "step_count", "check_step_count", "MAX_STEP_COUNT"]
+__all__ = ["MomentsOptimizer", "moment_lists", "step_count", "check_step_count", "MAX_STEP_COUNT"]
 
 # The step numbers the kernels take end at 2**31 - 1: a count of steps taken, one less.
 MAX_STEP_COUNT = 2**31 - 2
@@ -105,6 +105,15 @@ class MomentsOptimizer(FusedOptimizer):
         group["step"] = step
         self._counted.append((group, step))
         return step
+
+
+def moment_lists(state: Any, bucket: Bucket) -> list[list[torch.Tensor]]:
+    """``[grads, params, exp_avgs, exp_avg_sqs(, model_copies)]`` of a bucket, as the ops take them."""
+    states = [state[param] for param in bucket.params]
+    lists = [bucket.grads, bucket.params, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]]
+    if bucket.copies:
+        lists.append(bucket.copies)
+    return lists
 
 
 class _PendingSkip:

@@ -8,7 +8,7 @@ import torch
 from amp.multi_tensor_apply import Scalar, multi_tensor_adam, multi_tensor_applier
 
 from ._fused import Bucket, BucketKey, Params, check_real
-from ._group_steps import MomentsOptimizer, check_step_count, step_count
+from ._group_steps import MomentsOptimizer, check_step_count, moment_lists, step_count
 
 __all__ = ["FusedAdam"]
 
@@ -113,11 +113,7 @@ class FusedAdam(MomentsOptimizer):
             return
         beta1, beta2 = group["betas"]
         for (device, _, _, _, from_model), bucket in buckets.items():
-            states = [self.state[param] for param in bucket.params]
-            lists = [bucket.grads, bucket.params, [state["exp_avg"] for state in states],
-                     [state["exp_avg_sq"] for state in states]]
-            if bucket.copies:
-                lists.append(bucket.copies)
+            lists = moment_lists(self.state, bucket)
             multi_tensor_applier(multi_tensor_adam, self._noop_flag(device, found_inf), lists, group["lr"],
                                  beta1, beta2, group["eps"], step, int(self.adam_w_mode),
                                  int(group["bias_correction"]), group["weight_decay"],

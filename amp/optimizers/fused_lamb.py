@@ -9,7 +9,7 @@ from amp._compat import foreach_norm
 from amp.multi_tensor_apply import Scalar, multi_tensor_applier, multi_tensor_lamb
 
 from ._fused import Bucket, BucketKey, Params, check_real
-from ._group_steps import MomentsOptimizer
+from ._group_steps import MomentsOptimizer, moment_lists
 
 __all__ = ["FusedLAMB"]
 
@@ -98,11 +98,7 @@ class FusedLAMB(MomentsOptimizer):
             return
         beta1, beta2 = group["betas"]
         for (device, _, _, _, from_model), bucket in buckets.items():
-            states = [self.state[param] for param in bucket.params]
-            lists = [bucket.grads, bucket.params, [state["exp_avg"] for state in states],
-                     [state["exp_avg_sq"] for state in states]]
-            if bucket.copies:
-                lists.append(bucket.copies)
+            lists = moment_lists(self.state, bucket)
             multi_tensor_applier(multi_tensor_lamb, self._noop_flag(device, found_inf), lists, group["lr"],
                                  beta1, beta2, group["eps"], step, int(group["bias_correction"]),
                                  group["weight_decay"], int(group["grad_averaging"]), int(self.adam_w_mode),

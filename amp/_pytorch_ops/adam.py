@@ -136,14 +136,3 @@ def power_of_step(base, step):
     while factors.numel() > 1:
         factors = factors[0::2] * factors[1::2]
     return factors.reshape(())
-
-
-def power_of_step_on_host(base, step):
-    """``power_of_step`` for a Python int step, in Python floats (IEEE fp64: the same bits)."""
-    factors, power = [], base
-    for k in range(32):
-        factors.append(power if k < 31 and (step >> k) & 1 else 1.0)
-        power = power * power
-    while len(factors) > 1:
-        factors = [factors[j] * factors[j + 1] for j in range(0, len(factors), 2)]
-    return factors[0]

@@ -181,10 +181,12 @@ def step_tools(noop_flag, device):
 
 def store(keep_old, scratch, destination, result):
     """``destination = result``, rounded to its dtype; with ``keep_old`` (a 0-dim bool tensor, the
-    noop flag) the choice is made on the device, a flagged step storing the old values back."""
+    noop flag) the choice is made on the device, a flagged step storing the old values back.
+    ``scratch`` (None: a new tensor) holds the rounded result for that choice."""
     if keep_old is None:
         destination.copy_(result)
         return
     if result.dtype != destination.dtype:
-        result = scratch(f"store.{destination.dtype}", destination.dtype, result.numel()).copy_(result)
+        result = (result.to(destination.dtype) if scratch is None
+                  else scratch(f"store.{destination.dtype}", destination.dtype, result.numel()).copy_(result))
     torch.where(keep_old, destination, result, out=destination)

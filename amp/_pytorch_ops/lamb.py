@@ -2,7 +2,7 @@
 import torch
 
 from . import contract, exact
-from .adam import power_of_step_on_host
+from .adam import power_of_step
 from .storage import flat
 
 _LISTS = (("grads", "params", "exp_avgs", "exp_avg_sqs"),
@@ -64,9 +64,11 @@ def multi_tensor_lamb(chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, eps
     c = {name: exact.fp32(value, device) for name, value in (
         ("beta1", beta1), ("beta2", beta2), ("w2", 1.0 - beta2), ("eps", epsilon), ("wd", weight_decay),
         ("beta3", 1.0 - beta1 if grad_averaging else 1.0), ("max", max_grad_norm),
-        ("bc1", 1.0 - power_of_step_on_host(beta1, step) if bias_correction else 1.0),
-        ("bc2", 1.0 - power_of_step_on_host(beta2, step) if bias_correction else 1.0))}
+        ("bc1", 1.0), ("bc2", 1.0))}
     with torch.no_grad():
+        if bias_correction:  # fp32(1 - beta ** step), the power in fp64 as the kernels take it
+            step_t = torch.full((), step, dtype=torch.int64, device=device)
+            c["bc1"], c["bc2"] = ((1.0 - power_of_step(beta, step_t)).float() for beta in (beta1, beta2))
         gn = global_grad_norm
         clip = torch.where(gn > c["max"], gn / c["max"], torch.ones_like(gn))
         updates = torch.empty(sum(t.numel() for t in grads), dtype=torch.float32, device=device)
@@ -86,8 +88,8 @@ def multi_tensor_lamb(chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, eps
             torch.div(m / c["bc1"], denom, out=update)
             if mode == 1 and wd != 0:
                 update.add_(c["wd"] * p)
-            _store(keep_old, exp_avg, m)
-            _store(keep_old, exp_avg_sq, v)
+            exact.store(keep_old, None, exp_avg, m)
+            exact.store(keep_old, None, exp_avg_sq, v)
         ratios = torch.full((len(grads),), lr, dtype=torch.float32, device=device)
         if use_nvlamb or wd != 0:  # Apex's rule: the trust ratio where decayed (or NVLAMB)
             param_norms = _norms(params)
@@ -96,22 +98,13 @@ def multi_tensor_lamb(chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, eps
             ratios = torch.where(trusted, param_norms.div(update_norms).mul(ratios), ratios)
         for index, (param, update) in enumerate(zip(params, update_views)):
             p = _fp32_copy(param).sub_(update * ratios[index])
-            _store(keep_old, param, p)
+            exact.store(keep_old, None, param, p)
             if copies is not None:
-                _store(keep_old, copies[index], p)
+                exact.store(keep_old, None, copies[index], p)
 
 
 def _fp32_copy(t):
     return t.to(torch.float32, copy=True)
-
-
-def _store(keep_old, destination, result):
-    """``destination = result`` rounded to its dtype; a flagged step (``keep_old``, a 0-dim bool
-    tensor off the CPU) keeps the old values, decided on the device."""
-    if keep_old is None:
-        destination.copy_(result)
-    else:
-        torch.where(keep_old, destination, result.to(destination.dtype), out=destination)
 
 
 def _norms(tensors):

@@ -22,9 +22,10 @@ from typing import Any, Callable
 
 import torch
 
-from ._fused import Bucket, BucketKey, FusedOptimizer, Params
+from ._fused import Bucket, BucketKey, FusedOptimizer, Params, check_real
 
-__all__ = ["MomentsOptimizer", "moment_lists", "step_count", "check_step_count", "MAX_STEP_COUNT"]
+__all__ = ["MomentsOptimizer", "check_moment_options", "moment_lists", "step_count", "check_step_count",
+           "MAX_STEP_COUNT"]
 
 # The step numbers the kernels take end at 2**31 - 1: a count of steps taken, one less.
 MAX_STEP_COUNT = 2**31 - 2
@@ -105,6 +106,17 @@ class MomentsOptimizer(FusedOptimizer):
         group["step"] = step
         self._counted.append((group, step))
         return step
+
+
+def check_moment_options(lr: float, eps: float, weight_decay: float, betas: Any) -> None:
+    """Raise ``ValueError`` naming the first of Adam's options out of range."""
+    check_real("learning rate", lr, 0.0)
+    check_real("epsilon value", eps, 0.0)
+    check_real("weight_decay value", weight_decay, 0.0)
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"Invalid betas: {betas!r}; expected a pair of numbers in [0, 1).")
+    check_real("beta parameter at index 0", betas[0], 0.0, 1.0, high_open=True)
+    check_real("beta parameter at index 1", betas[1], 0.0, 1.0, high_open=True)
 
 
 def moment_lists(state: Any, bucket: Bucket) -> list[list[torch.Tensor]]:

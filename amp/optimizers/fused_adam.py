@@ -7,8 +7,9 @@ import torch
 
 from amp.multi_tensor_apply import Scalar, multi_tensor_adam, multi_tensor_applier
 
-from ._fused import Bucket, BucketKey, Params, check_real
-from ._group_steps import MomentsOptimizer, check_step_count, moment_lists, step_count
+from ._fused import Bucket, BucketKey, Params
+from ._group_steps import (MomentsOptimizer, check_moment_options, check_step_count, moment_lists,
+                           step_count)
 
 __all__ = ["FusedAdam"]
 
@@ -77,13 +78,7 @@ class FusedAdam(MomentsOptimizer):
             _refuse("master_weights=True", "use amp.initialize(model, optimizer, opt_level='O2') (or 'O5' "
                     "for bfloat16), which keeps the fp32 master weights; FusedAdam then steps them and "
                     "writes the low-precision model copy in the same pass.")
-        check_real("learning rate", lr, 0.0)
-        check_real("epsilon value", eps, 0.0)
-        check_real("weight_decay value", weight_decay, 0.0)
-        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-            raise ValueError(f"Invalid betas: {betas!r}; expected a pair of numbers in [0, 1).")
-        check_real("beta parameter at index 0", betas[0], 0.0, 1.0, high_open=True)
-        check_real("beta parameter at index 1", betas[1], 0.0, 1.0, high_open=True)
+        check_moment_options(lr, eps, weight_decay, betas)
         defaults = dict(lr=lr, bias_correction=bool(bias_correction), betas=tuple(betas), eps=eps,
                         weight_decay=weight_decay)
         super().__init__(params, defaults, materialize_master_grads, set_grad_none)

@@ -9,7 +9,7 @@ from amp._compat import foreach_norm
 from amp.multi_tensor_apply import Scalar, multi_tensor_applier, multi_tensor_lamb
 
 from ._fused import Bucket, BucketKey, Params, check_real
-from ._group_steps import MomentsOptimizer, moment_lists
+from ._group_steps import MomentsOptimizer, check_moment_options, moment_lists
 
 __all__ = ["FusedLAMB"]
 
@@ -64,13 +64,7 @@ class FusedLAMB(MomentsOptimizer):
                  materialize_master_grads: bool = True) -> None:
         if amsgrad:
             raise ValueError("FusedLAMB(amsgrad=True) is not offered (Apex's FusedLAMB refused it too).")
-        check_real("learning rate", lr, 0.0)
-        check_real("epsilon value", eps, 0.0)
-        check_real("weight_decay value", weight_decay, 0.0)
-        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-            raise ValueError(f"Invalid betas: {betas!r}; expected a pair of numbers in [0, 1).")
-        check_real("beta parameter at index 0", betas[0], 0.0, 1.0, high_open=True)
-        check_real("beta parameter at index 1", betas[1], 0.0, 1.0, high_open=True)
+        check_moment_options(lr, eps, weight_decay, betas)
         check_real("max_grad_norm", max_grad_norm, 0.0)
         if max_grad_norm == 0:
             raise ValueError("Invalid max_grad_norm: 0; the gradients are clipped to this global norm, so "

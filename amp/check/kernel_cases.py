@@ -362,47 +362,59 @@ def _sgd_cases(device: torch.device, quick: bool) -> Iterator[Case]:
                    call(op, special(poison=(value, where))))
 
 
-def _adam_cases(device: torch.device, quick: bool) -> Iterator[Case]:
-    op = "multi_tensor_adam"
-    # (lr, beta1, beta2, eps, step, mode, bias_correction, weight_decay)
-    configs: List[Tuple[Any, ...]] = [
-        (1e-3, 0.9, 0.999, 1e-8, 1, 0, 1, 0.0), (1e-2, 0.3, 0.99, 1e-8, 7, 0, 1, 1e-2),
-        (1e-3, 0.9, 0.999, 1e-8, 1000, 1, 1, 1e-2), (1e-2, 0.0, 0.9, 1e-6, 3, 1, 0, 0.1),
-    ]
+def _moment_op_cases(op: str, device: torch.device, quick: bool, configs: List[Tuple[Any, ...]],
+                     side_config: Tuple[Any, ...], seed: int, names: str,
+                     special_args: Callable[[bool], Tuple[Any, ...]], tensors_label: str) -> Iterator[Case]:
+    """The cases of an op on Adam's lists (adam, lamb): every dtype form with ``configs`` (the host
+    arguments after the lists; an inv_scale of 2**-10 follows) on the main layouts, ``side_config``
+    on the others; then a set flag, device tensors (``tensors_label``) and non-finite grads, with
+    ``special_args(tensors)`` after the lists."""
     for layout in _layouts(quick, many=50):
         forms = _adam_forms() if layout in _main_layouts(quick) else [_adam_forms()[-1]]
-        chosen = configs if layout in _main_layouts(quick) else configs[2:3]
+        chosen = configs if layout in _main_layouts(quick) else [side_config]
         for i, (form, config) in enumerate(_quick_subset(quick, [(f,) for f in forms], chosen)):
             def make(layout: Layout = layout, form: Tuple[torch.dtype, ...] = form,
-                     config: Tuple[Any, ...] = config, seed: int = i) -> Tuple[Any, ...]:
-                gen = torch.Generator().manual_seed(500 + seed)
+                     config: Tuple[Any, ...] = config, index: int = i) -> Tuple[Any, ...]:
+                gen = torch.Generator().manual_seed(seed + index)
                 lists = _optimizer_lists(gen, layout.sizes, form, device, grad_scale=1024.0, positive=(3,))
                 return (layout.chunk, _flag(device), lists, *config, 2.0**-10)
             label = "/".join(dtype_name(d) for d in form)
-            yield Case(f"[{label}], lr/beta1/beta2/eps/step/mode/bias_correction/wd={config}, "
-                       f"{layout.label}", call(op, make))
+            yield Case(f"[{label}], {names}={config}, {layout.label}", call(op, make))
     nine = _sizes(1, 9, CHUNK)
 
     def special(flag_value: int = 0, poison: Optional[Tuple[float, str]] = None,
                 tensors: bool = False) -> Callable[[], Tuple[Any, ...]]:
         def make() -> Tuple[Any, ...]:
-            gen = torch.Generator().manual_seed(501)
+            gen = torch.Generator().manual_seed(seed + 1)
             lists = _optimizer_lists(gen, nine, _adam_forms()[-1], device, grad_scale=1024.0, positive=(3,))
             if poison is not None:
                 _poison(lists[0], poison[1], poison[0])
-            step: Any = torch.tensor([5], dtype=torch.int64, device=device) if tensors else 5
-            scale: Any = torch.tensor([2.0**-10], device=device) if tensors else 2.0**-10
-            return (CHUNK, _flag(device, flag_value), lists, 1e-3, 0.9, 0.999, 1e-8, step, 1, 1, 1e-2, scale)
+            return (CHUNK, _flag(device, flag_value), lists, *special_args(tensors))
         return make
     yield Case("a set flag writes nothing", call(op, special(flag_value=1)))
-    yield Case("device tensors as step and inv_scale", call(op, special(tensors=True)))
+    yield Case(f"device tensors as {tensors_label}", call(op, special(tensors=True)))
     for value, where in _quick_subset(quick, [(v,) for v in NON_FINITE], WHERE):
         yield Case(f"{value} at the {where} grad element (flag clear)",
                    call(op, special(poison=(value, where))))
 
 
+def _adam_cases(device: torch.device, quick: bool) -> Iterator[Case]:
+    # (lr, beta1, beta2, eps, step, mode, bias_correction, weight_decay)
+    configs: List[Tuple[Any, ...]] = [
+        (1e-3, 0.9, 0.999, 1e-8, 1, 0, 1, 0.0), (1e-2, 0.3, 0.99, 1e-8, 7, 0, 1, 1e-2),
+        (1e-3, 0.9, 0.999, 1e-8, 1000, 1, 1, 1e-2), (1e-2, 0.0, 0.9, 1e-6, 3, 1, 0, 0.1),
+    ]
+
+    def special_args(tensors: bool) -> Tuple[Any, ...]:
+        step: Any = torch.tensor([5], dtype=torch.int64, device=device) if tensors else 5
+        scale: Any = torch.tensor([2.0**-10], device=device) if tensors else 2.0**-10
+        return (1e-3, 0.9, 0.999, 1e-8, step, 1, 1, 1e-2, scale)
+    return _moment_op_cases("multi_tensor_adam", device, quick, configs, configs[2], 500,
+                            "lr/beta1/beta2/eps/step/mode/bias_correction/wd", special_args,
+                            "step and inv_scale")
+
+
 def _lamb_cases(device: torch.device, quick: bool) -> Iterator[Case]:
-    op = "multi_tensor_lamb"
     # (lr, beta1, beta2, eps, step, bias_correction, weight_decay, grad_averaging, mode,
     #  global_grad_norm, max_grad_norm, use_nvlamb): clipped or not, L2 / decoupled, NVLAMB.
     configs: List[Tuple[Any, ...]] = [
@@ -411,37 +423,14 @@ def _lamb_cases(device: torch.device, quick: bool) -> Iterator[Case]:
         (1e-3, 0.9, 0.999, 1e-6, 1000, 0, 0.0, 1, 1, 2.0, 4.0, True),
         (1e-2, 0.0, 0.9, 1e-6, 3, 1, 0.0, 1, 0, 10.0, 1.0, False),
     ]
-    for layout in _layouts(quick, many=50):
-        forms = _adam_forms() if layout in _main_layouts(quick) else [_adam_forms()[-1]]
-        chosen = configs if layout in _main_layouts(quick) else configs[:1]
-        for i, (form, config) in enumerate(_quick_subset(quick, [(f,) for f in forms], chosen)):
-            def make(layout: Layout = layout, form: Tuple[torch.dtype, ...] = form,
-                     config: Tuple[Any, ...] = config, seed: int = i) -> Tuple[Any, ...]:
-                gen = torch.Generator().manual_seed(600 + seed)
-                lists = _optimizer_lists(gen, layout.sizes, form, device, grad_scale=1024.0, positive=(3,))
-                return (layout.chunk, _flag(device), lists, *config, 2.0**-10)
-            label = "/".join(dtype_name(d) for d in form)
-            yield Case(f"[{label}], lr/beta1/beta2/eps/step/bias_correction/wd/grad_averaging/mode/"
-                       f"global_norm/max_norm/nvlamb={config}, {layout.label}", call(op, make))
-    nine = _sizes(1, 9, CHUNK)
 
-    def special(flag_value: int = 0, poison: Optional[Tuple[float, str]] = None,
-                tensors: bool = False) -> Callable[[], Tuple[Any, ...]]:
-        def make() -> Tuple[Any, ...]:
-            gen = torch.Generator().manual_seed(601)
-            lists = _optimizer_lists(gen, nine, _adam_forms()[-1], device, grad_scale=1024.0, positive=(3,))
-            if poison is not None:
-                _poison(lists[0], poison[1], poison[0])
-            norm: Any = torch.tensor([3.0], device=device) if tensors else 3.0
-            scale: Any = torch.tensor([2.0**-10], device=device) if tensors else 2.0**-10
-            return (CHUNK, _flag(device, flag_value), lists, 1e-3, 0.9, 0.999, 1e-6, 5, 1, 0.01, 1, 1, norm,
-                    1.0, False, scale)
-        return make
-    yield Case("a set flag writes nothing", call(op, special(flag_value=1)))
-    yield Case("device tensors as global_grad_norm and inv_scale", call(op, special(tensors=True)))
-    for value, where in _quick_subset(quick, [(v,) for v in NON_FINITE], WHERE):
-        yield Case(f"{value} at the {where} grad element (flag clear)",
-                   call(op, special(poison=(value, where))))
+    def special_args(tensors: bool) -> Tuple[Any, ...]:
+        norm: Any = torch.tensor([3.0], device=device) if tensors else 3.0
+        scale: Any = torch.tensor([2.0**-10], device=device) if tensors else 2.0**-10
+        return (1e-3, 0.9, 0.999, 1e-6, 5, 1, 0.01, 1, 1, norm, 1.0, False, scale)
+    return _moment_op_cases("multi_tensor_lamb", device, quick, configs, configs[0], 600,
+                            "lr/beta1/beta2/eps/step/bias_correction/wd/grad_averaging/mode/global_norm/"
+                            "max_norm/nvlamb", special_args, "global_grad_norm and inv_scale")
 
 
 def cases(op: str, device: torch.device, quick: bool) -> Iterator[Case]:

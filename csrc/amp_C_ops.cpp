@@ -332,6 +332,8 @@ void multi_tensor_lamb(int64_t chunk_size, const at::Tensor& noop_flag,
   args.decoupled = mode.integer == 1 && args.wd != 0.f;
   args.max_grad_norm = static_cast<float>(max_grad_norm_d);
   const Flag flag = flag_of(noop_flag);
+  // A skipped step on the CPU stops here (as the fallback does); elsewhere the kernels skip.
+  if (device.is_cpu() && flag_is_set(flag)) return;
   const size_t n = lists.numel.size();
 
   int64_t total = 0;

@@ -8,6 +8,7 @@
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #include "amp_C_kernels.h"
 
@@ -306,6 +307,58 @@ AMP_HOST_DEVICE inline float lamb_clip(const LambArgs& a) {
 // The second stage of one element: the step along the update, scaled by the tensor's ratio.
 AMP_HOST_DEVICE inline float lamb_apply(float p, float update, float ratio) {
   return sub_rn(p, mul_rn(ratio, update));
+}
+
+// ---- fp32 masters as bf16 weights plus remainders (amp/_pytorch_ops/remainder.py) ----------
+//
+// The master's top half, rounded to nearest even, is the bf16 weight; its low half and a carry bit
+// (set where the rounding went up) are kept beside it. A tensor of n elements keeps them in one
+// int16 buffer: n low halves, padding to an even count (carry_offset), then ceil(n / 32) uint32
+// carry words, bit j of word w for element 32 w + j.
+
+AMP_HOST_DEVICE inline uint32_t bits_of_float(float x) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(x);
+#else
+  uint32_t bits;
+  memcpy(&bits, &x, sizeof(bits));
+  return bits;
+#endif
+}
+
+AMP_HOST_DEVICE inline float float_of_bits(uint32_t bits) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(bits);
+#else
+  float x;
+  memcpy(&x, &bits, sizeof(x));
+  return x;
+#endif
+}
+
+// PyTorch's fp32 -> bf16 rounding (c10): to nearest even, a NaN to 0x7fc0.
+AMP_HOST_DEVICE inline uint16_t bf16_bits_rounded(float x) {
+  const uint32_t bits = bits_of_float(x);
+  if (x != x) return 0x7fc0u;
+  return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+// Where the carry words of n elements' remainders begin, in int16 elements.
+AMP_HOST_DEVICE inline int64_t carry_offset(int64_t n) { return 2 * ((n + 1) / 2); }
+
+// The master of a bf16 weight (its bits), low half and carry bit (0 or 1); a NaN weight's is NaN.
+AMP_HOST_DEVICE inline float master_from_parts(uint16_t weight, uint16_t low, uint32_t carry) {
+  if ((weight & 0x7fffu) > 0x7f80u) return float_of_bits(static_cast<uint32_t>(weight) << 16);
+  return float_of_bits(((static_cast<uint32_t>(weight) - carry) << 16) | low);
+}
+
+// A master's parts: returns the bf16 weight's bits; sets its low half and carry bit.
+AMP_HOST_DEVICE inline uint16_t master_to_parts(float master, uint16_t& low, uint32_t& carry) {
+  const uint32_t bits = bits_of_float(master);
+  const uint16_t weight = bf16_bits_rounded(master);
+  low = static_cast<uint16_t>(bits & 0xffffu);
+  carry = (master == master && weight != (bits >> 16)) ? 1u : 0u;
+  return weight;
 }
 
 }  // namespace amp_C

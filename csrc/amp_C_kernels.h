@@ -11,7 +11,7 @@
 
 namespace amp_C {
 
-enum class DType : int { Float32 = 0, Float16 = 1, BFloat16 = 2, Int32 = 3, Int64 = 4 };
+enum class DType : int { Float32 = 0, Float16 = 1, BFloat16 = 2, Int32 = 3, Int64 = 4, Int16 = 5 };
 
 // Up to five parallel lists ([in, out] for scale, [x, y, out] for axpby, [x] for l2norm, up to
 // [grads, params, exp_avgs, exp_avg_sqs, model_copies] for adam).

@@ -1,11 +1,12 @@
 """``multi_tensor_adam``: Apex's fused Adam/AdamW step, with torch.optim.Adam's fp32 arithmetic."""
 import torch
 
-from . import contract, exact
+from . import contract, exact, remainder
 from .storage import flat
 
 _LISTS = (("grads", "params", "exp_avgs", "exp_avg_sqs"),
-          ("grads", "params", "exp_avgs", "exp_avg_sqs", "model_copies"))
+          ("grads", "params", "exp_avgs", "exp_avg_sqs", "model_copies"),
+          ("grads", "weights", "exp_avgs", "exp_avg_sqs", "remainders"))
 
 
 def multi_tensor_adam(chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, epsilon, step, mode,
@@ -73,8 +74,9 @@ def multi_tensor_adam(chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, eps
         wd_t, beta2_t, w2, eps_t, decay = (exact.fp32(v, device) for v in (
             weight_decay, beta2, 1.0 - beta2, epsilon, 1.0 - lr * weight_decay))
         neg_step_size = -step_size
-        lists = [[flat(t) for t in tensors] for tensors in tensor_lists]
         weight_decay = exact.host_fp32(weight_decay)
+
+    def update(lists):
         scratch, pieces = exact.slices(lists, device)
         for grad, param, exp_avg, exp_avg_sq, *copy in pieces:
             n = grad.numel()
@@ -105,6 +107,9 @@ def multi_tensor_adam(chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, eps
             exact.store(keep_old, scratch, exp_avg_sq, v)
             if copy:
                 exact.store(keep_old, scratch, copy[0], p)
+
+    with torch.no_grad():
+        remainder.each_tensor_if_remainders(names, [[flat(t) for t in tensors] for tensors in tensor_lists], keep_old, update)
 
 
 def _step_factors(lr, beta1, beta2, step, bias_correction, device):

@@ -11,7 +11,10 @@ The rules, in the order they are checked; the first one broken is reported.
 2. ``tensor_lists``: as many lists as the op takes, all of one length: ``[in, out]`` (scale),
    ``[x, y, out]`` (axpby), ``[x]`` (the l2norm family), ``[grads, weights, momentum_bufs]`` or
    ``[..., model_copies]`` (sgd), ``[grads, params, exp_avgs, exp_avg_sqs]`` or
-   ``[..., model_copies]`` (adam, lamb).
+   ``[..., model_copies]`` (adam, lamb); sgd and adam also take bf16 weights and their masters'
+   remainders in place of fp32 params: ``[grads, weights, momentum_bufs, remainders]``,
+   ``[grads, weights, exp_avgs, exp_avg_sqs, remainders]``, the form chosen when the last list's
+   first tensor is int16 (``remainder.py`` says what they hold).
 3. ``noop_flag``: a 1-element int32 or float32 tensor.
 4. The op's host numbers, in signature order: a float is a Python int or float, an int a Python
    int, never a bool (``TypeError``), except the on/off ints (``bias_correction``, lamb's
@@ -20,7 +23,9 @@ The rules, in the order they are checked; the first one broken is reported.
 
    With no tensors in the lists the op stops here: it writes nothing (the l2norm family returns
    zero norms on the flag's device).
-5. Each tensor, list by list and index by index: float32, float16 or bfloat16; the dtype of the
+5. Each tensor, list by list and index by index: float32, float16 or bfloat16 (remainders:
+   int16, contiguous, ``remainder.packed_numel`` of the index's numel, and ``chunk_size`` a
+   multiple of 32, so that no carry word spans two chunks); the dtype of the
    first tensor of its list; on the device of ``tensor_lists[0][0]``; the numel of
    ``tensor_lists[0][i]``; dense (its elements fill a gap-free block: contiguous, channels_last, a
    transposed matrix...); laid out as ``tensor_lists[0][i]``: the same shape and strides (those of
@@ -62,7 +67,7 @@ import operator
 
 import torch
 
-from . import storage
+from . import remainder, storage
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # The chunk size amp itself passes to every op (Apex's): its kernels' common case.
@@ -102,7 +107,10 @@ def _check_lists(op, tensor_lists, forms):
     expected = " or ".join(f"{len(names)} [{', '.join(names)}]" for names in forms)
     if not isinstance(tensor_lists, (list, tuple)):
         raise TypeError(f"{op} expects {expected} tensor lists, got a {_type_name(tensor_lists)}")
-    names = next((names for names in forms if len(names) == len(tensor_lists)), None)
+    fitting = [names for names in forms if len(names) == len(tensor_lists)]
+    names = fitting[0] if fitting else None
+    if len(fitting) > 1 and _holds_remainders(tensor_lists[-1]):
+        names = fitting[-1]
     if names is None:
         raise ValueError(f"{op} expects {expected} tensor lists, got {len(tensor_lists)}")
     lengths = [len(tensors) for tensors in tensor_lists]
@@ -113,6 +121,11 @@ def _check_lists(op, tensor_lists, forms):
                 f"{lengths[0]} (lengths {lengths}); every list needs one tensor per index"
             )
     return names
+
+
+def _holds_remainders(tensors):
+    """Whether a last list is remainders: its first tensor is int16."""
+    return len(tensors) > 0 and isinstance(tensors[0], torch.Tensor) and tensors[0].dtype == torch.int16
 
 
 def _check_flag(op, noop_flag):
@@ -190,11 +203,31 @@ def same_layout(t, ref):
     return all(a == b for size, a, b in zip(t.shape, t.stride(), ref.stride()) if size > 1)
 
 
+def _check_remainders(op, t, ref, where, device):
+    """Rule 5 for a tensor of remainders: int16, contiguous, packed for ``ref``'s numel, on its device."""
+    if t.dtype != torch.int16:
+        raise ValueError(f"{op}: {where} has dtype {t.dtype}; remainders are int16")
+    if t.device != device:
+        raise ValueError(
+            f"{op}: {where} is on {t.device} but tensor_lists[0][0] is on {device}; group the "
+            "tensors by device and call once per device"
+        )
+    expected = remainder.packed_numel(ref.numel())
+    if t.numel() != expected or not t.is_contiguous():
+        raise ValueError(
+            f"{op}: {where} has {t.numel()} elements{'' if t.is_contiguous() else ' (not contiguous)'}; "
+            f"the remainders of {ref.numel()} elements are a contiguous int16 tensor of {expected} "
+            "(amp._pytorch_ops.remainder.packed_numel)"
+        )
+
+
 def _check_tensor(op, tensor_lists, names, k, i):
     t, first, ref = tensor_lists[k][i], tensor_lists[k][0], tensor_lists[0][i]
     where = _where(k, i, names)
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{op}: {where} is a {_type_name(t)}, not a tensor")
+    if names[k] == "remainders":
+        return _check_remainders(op, t, ref, where, tensor_lists[0][0].device)
     if i == 0 and t.dtype not in SUPPORTED_DTYPES:
         raise ValueError(
             f"{op}: {where} has dtype {t.dtype}; only float32, float16 and bfloat16 are supported"
@@ -263,6 +296,9 @@ def check_tensors(op, chunk_size, tensor_lists, names, chunks_in_all=False):
     for k, tensors in enumerate(tensor_lists):
         for i in range(len(tensors)):
             _check_tensor(op, tensor_lists, names, k, i)
+    if names[-1] == "remainders" and operator.index(chunk_size) % 32:
+        raise ValueError(f"{op}: chunk_size must be a multiple of 32 with remainders (a carry word "
+                         f"holds 32 elements' bits), got {operator.index(chunk_size)}")
     _check_chunk_counts(op, operator.index(chunk_size), tensor_lists[0], names, chunks_in_all)
     return tensor_lists[0][0].device
 
@@ -333,6 +369,13 @@ def check_fused_dtypes(op, tensor_lists, names):
     (adam's 4 lists); with a model-copy list, grads of any dtype, fp32 weights and state and an
     fp16/bf16 copy."""
     dtypes = [tensors[0].dtype for tensors in tensor_lists]
+    if names[-1] == "remainders":
+        ok = dtypes[1] == torch.bfloat16 and all(d == torch.float32 for d in dtypes[2:-1])
+        if not ok:
+            combination = ", ".join(f"{name} {str(d).replace('torch.', '')}" for name, d in zip(names, dtypes))
+            raise ValueError(f"{op}: unsupported dtype combination ({combination}); with remainders the "
+                             "weights are bfloat16 and the state float32 (the grads: any)")
+        return
     has_copies = names[-1] == "model_copies"
     grads, masters = dtypes[0], dtypes[1:len(dtypes) - has_copies]
     fp32_masters = all(d == torch.float32 for d in masters)

@@ -1,17 +1,20 @@
 """``multi_tensor_sgd``: Apex's fused SGD step, with torch.optim.SGD's fp32 arithmetic."""
 import torch
 
-from . import contract, exact
+from . import contract, exact, remainder
 from .storage import flat
 
 _LISTS = (("grads", "weights", "momentum_bufs"),
-          ("grads", "weights", "momentum_bufs", "model_copies"))
+          ("grads", "weights", "momentum_bufs", "model_copies"),
+          ("grads", "weights", "momentum_bufs", "remainders"))
 
 
 def multi_tensor_sgd(chunk_size, noop_flag, tensor_lists, wd, momentum, dampening, lr, nesterov,
                      first_run, wd_after_momentum, scale):
     """One SGD step over ``[grads, weights, momentum_bufs]`` or ``[grads, weights, momentum_bufs,
-    model_copies]``, Apex's ``multi_tensor_sgd``; nothing is written when ``noop_flag`` is set.
+    model_copies]``, Apex's ``multi_tensor_sgd``, or ``[grads, bf16 weights, momentum_bufs,
+    remainders]`` (the masters rebuilt, stepped and split back: ``remainder.py``); nothing is
+    written when ``noop_flag`` is set.
 
     Per element, in fp32; ``fma`` rounds once, every other operation rounds to fp32; ``wd``,
     ``momentum``, ``lr`` and ``scale`` are fp32, ``dc = fp32(1 - dampening)`` (computed in fp64)::
@@ -42,12 +45,12 @@ def multi_tensor_sgd(chunk_size, noop_flag, tensor_lists, wd, momentum, dampenin
     wd_t, momentum_t, dc_t, neg_lr_t = (exact.fp32(v, device)
                                         for v in (wd, momentum, 1.0 - dampening, -lr))
     wd, momentum, dc = exact.host_fp32(wd), exact.host_fp32(momentum), exact.host_fp32(1.0 - dampening)
-    lists = [[flat(t) for t in tensors] for tensors in tensor_lists]
     tools = exact.step_tools(noop_flag, device)
     if tools is None:
         return
     fma, keep_old = tools
-    with torch.no_grad():
+
+    def update(lists):
         scratch, pieces = exact.slices(lists, device)
         for grad, weight, buf, *copy in pieces:
             g = exact.fp32_product(scratch, "g", grad, scale)
@@ -70,3 +73,7 @@ def multi_tensor_sgd(chunk_size, noop_flag, tensor_lists, wd, momentum, dampenin
                 exact.store(keep_old, scratch, buf, b)
             if copy:
                 exact.store(keep_old, scratch, copy[0], w)
+
+    with torch.no_grad():
+        remainder.each_tensor_if_remainders(names, [[flat(t) for t in tensors] for tensors in tensor_lists],
+                                            keep_old, update)

@@ -1,0 +1,109 @@
+"""fp32 masters kept as bf16 weights plus 16-bit remainders (``master_weights="remainder"``).
+
+A bf16 value is the top half of an fp32 one. The model's bf16 weight is its fp32 master rounded
+to nearest even, exactly what ``master.to(torch.bfloat16)`` gives; beside it amp keeps the
+master's low 16 bits and one carry bit, set where the rounding went up (the master's top half is
+then the weight's minus one, counting in bit patterns, which order values of one sign by
+magnitude). Weight, low half and carry give back the master bit for bit. The carry bit cannot be
+left out: round to nearest even sends 65,537 fp32 values to each even bf16 value (both halfway
+cases included), one more than 16 bits can tell apart. A NaN master comes back as a NaN.
+
+The remainders of an n-element tensor are one int16 tensor of ``packed_numel(n)`` elements: the n
+low halves, then one int16 of padding when n is odd, then ``ceil(n / 32)`` int32 words of carry
+bits (bit j of word w belongs to element 32 w + j). ``amp_C`` (``amp_C_host_device.h``,
+``master_from_parts`` / ``master_to_parts``) reads and writes the same layout.
+"""
+import contextlib
+
+import torch
+
+__all__ = ["packed_numel", "carry_offset", "new_remainders", "rebuild", "split", "stepped_as_masters",
+           "each_tensor_if_remainders"]
+
+
+def packed_numel(n):
+    """int16 elements that hold the remainders of ``n`` elements: low halves, padding, carry words."""
+    return carry_offset(n) + 2 * ((n + 31) // 32)
+
+
+def carry_offset(n):
+    """Where the carry words begin, in int16 elements (even: the words are 4-byte aligned)."""
+    return 2 * ((n + 1) // 2)
+
+
+def new_remainders(n, device):
+    """Zeroed remainders of ``n`` elements: a master equal to its (widened) bf16 weight."""
+    return torch.zeros(packed_numel(n), dtype=torch.int16, device=device)
+
+
+def _parts(packed, n):
+    return packed[:n], packed[carry_offset(n):].view(torch.int32)
+
+
+def _bit_positions(device):
+    return torch.arange(32, dtype=torch.int64, device=device)
+
+
+def rebuild(weight, packed, out=None):
+    """The fp32 masters of a flat bf16 ``weight`` and its ``packed`` remainders (``out``: where)."""
+    n = weight.numel()
+    low, words = _parts(packed, n)
+    carry = (words.to(torch.int64).unsqueeze(1) >> _bit_positions(weight.device)) & 1
+    top = weight.view(torch.int16).to(torch.int64) & 0xFFFF
+    bits = ((top - carry.reshape(-1)[:n]) << 16) | (low.to(torch.int64) & 0xFFFF)
+    bits = torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32)
+    master = bits.view(torch.float32)
+    # A NaN weight was a NaN master; its carry and low half are not to be trusted.
+    master = torch.where(torch.isnan(weight), weight.to(torch.float32), master)
+    if out is None:
+        return master
+    return out.copy_(master)
+
+
+def split(master, weight, packed):
+    """Write a flat fp32 ``master`` as its bf16 ``weight`` (rounded to nearest even) and ``packed``
+    remainders, both in place; returns nothing."""
+    n = master.numel()
+    rounded = master.to(torch.bfloat16)
+    bits = master.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    top = bits >> 16
+    carry = ((rounded.view(torch.int16).to(torch.int64) & 0xFFFF) != top) & ~torch.isnan(master)
+    low = bits & 0xFFFF
+    low_out, words_out = _parts(packed, n)
+    low_out.copy_(torch.where(low >= 2**15, low - 2**16, low))
+    padded = torch.zeros(words_out.numel() * 32, dtype=torch.int64, device=master.device)
+    padded[:n] = carry
+    words = (padded.view(-1, 32) << _bit_positions(master.device)).sum(dim=1)
+    words_out.copy_(torch.where(words >= 2**31, words - 2**32, words))
+    if carry_offset(n) > n:
+        packed[n] = 0
+    weight.copy_(rounded)
+
+
+@contextlib.contextmanager
+def stepped_as_masters(lists, keep_old):
+    """``lists`` of a fused step with remainders (``[grads, weights, *state, remainders]``, flat) as
+    the model-copy form ``[grads, masters, *state, weights]`` over rebuilt fp32 masters; on exit the
+    stepped masters are split back into weights and remainders (not where ``keep_old``, the noop
+    flag as a 0-dim bool tensor, is set: see ``exact.store``)."""
+    grads, weights, *state, packed = lists
+    masters = [rebuild(w, p) for w, p in zip(weights, packed)]
+    yield [grads, masters, *state, weights]
+    for master, weight, remainders in zip(masters, weights, packed):
+        if keep_old is None:
+            split(master, weight, remainders)
+            continue
+        new_weight, new_remainders = torch.empty_like(weight), torch.empty_like(remainders)
+        split(master, new_weight, new_remainders)
+        torch.where(keep_old, weight, new_weight, out=weight)
+        torch.where(keep_old, remainders, new_remainders, out=remainders)
+
+
+def each_tensor_if_remainders(names, lists, keep_old, update):
+    """``update(lists)`` for a fused step's flat ``lists`` (named ``names``); with remainders, one
+    tensor at a time over its rebuilt master (at most one tensor's fp32 master exists at once)."""
+    if names[-1] != "remainders":
+        return update(lists)
+    for index in range(len(lists[0])):
+        with stepped_as_masters([[tensors[index]] for tensors in lists], keep_old) as one:
+            update(one)

@@ -24,6 +24,7 @@ from torch import nn
 
 from ._compat import fsdp2, loaded_fsdp2
 from ._master_weights import LOW_PRECISION_DTYPES
+from .options import REMAINDER
 
 __all__ = []
 
@@ -167,6 +168,13 @@ def plan(models, optimizers, context):
             raise RuntimeError(f"{options.opt_level} keeps no fp32 master weights, which has no "
                                "FSDP2 form: use O2 (fp16) or O5 (bf16), whose masters are the "
                                "sharded fp32 parameters.")
+        if options.master_weights == REMAINDER:
+            raise RuntimeError(
+                "master_weights='remainder' is not offered with FSDP2: there the masters are the "
+                "sharded fp32 parameters, which fully_shard's MixedPrecisionPolicy casts to bf16 for "
+                "each forward, so the model holds no bf16 weights to keep remainders beside. Use "
+                "master_weights=True (the O5 default) with fully_shard, or train without fully_shard "
+                "(DDP works with remainders).")
         policies = [(unit, _policy_for(unit, managed, cast_type, options.keep_batchnorm_fp32))
                     for unit, managed in units]
     group = _mesh_group(models) if context.overflow_process_group is None else None

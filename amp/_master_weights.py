@@ -6,7 +6,7 @@ swapping fp32 masters into an optimizer in place of its low-precision params.
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator, TypeVar
+from typing import Any, Callable, Iterable, Iterator, TypeVar
 
 import torch
 import torch.nn as nn
@@ -61,6 +61,7 @@ def check_trainable_dtype(param: torch.Tensor, name: str) -> None:
 
 def swap_in_fp32_masters(
     optimizer: torch.optim.Optimizer, group: dict[str, Any], exact_fp32: dict[int, torch.Tensor] | None = None,
+    make_master: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
     """Replace each fp16/bf16 param of ``group`` by an fp32 master, in place.
 
@@ -68,8 +69,8 @@ def swap_in_fp32_masters(
     still have its grad unscaled and be stepped in fp32. The master takes the param's slot in
     ``group["params"]`` and its optimizer state, so the optimizer steps the master from then on.
     Its value is ``exact_fp32[id(param)]`` when given (amp passes the values from before the
-    model was cast), else the param's own, widened. Non-floating params, which can never have a
-    grad, are left out. Returns ``(low-precision params, their masters, other params kept as
+    model was cast), else the param's own, widened; ``make_master(param, value)`` makes the master
+    (default: ``nn.Parameter(value)``). Non-floating params, which can never have a grad, are left out. Returns ``(low-precision params, their masters, other params kept as
     they are)``.
     """
     exact_fp32 = exact_fp32 or {}
@@ -81,7 +82,8 @@ def swap_in_fp32_masters(
             continue
         if param.dtype in LOW_PRECISION_DTYPES:
             value = exact_fp32.get(id(param))
-            master = nn.Parameter(value if value is not None else param.detach().to(torch.float32, copy=True))
+            value = value if value is not None else param.detach().to(torch.float32, copy=True)
+            master = nn.Parameter(value) if make_master is None else make_master(param, value)
             group["params"][index] = master
             if param in optimizer.state:
                 optimizer.state[master] = optimizer.state.pop(param)

@@ -17,6 +17,7 @@ from ._compat import (any_autocast_enabled, eager_under_compile, register_load_s
                       register_state_dict_post_hook)
 from ._logging import warn_at_caller
 from ._master_weights import LOW_PRECISION_DTYPES
+from ._remainder_master import plain_value
 from .casting.policy import in_disable_casts
 
 
@@ -173,7 +174,7 @@ class _Masters:
 
 def _state_dict_to_fp32(masters, module, state_dict, prefix, local_metadata):
     for name, master in masters.named(module):
-        state_dict[prefix + name] = master.detach()
+        state_dict[prefix + name] = plain_value(master)
     for key, value in state_dict.items():
         low_precision = isinstance(value, torch.Tensor) and value.dtype in LOW_PRECISION_DTYPES
         if key.startswith(prefix) and low_precision:

@@ -122,7 +122,7 @@ _Optimizers = TypeVar("_Optimizers", bound=Union[torch.optim.Optimizer, Optimize
 @overload
 def initialize(models: _Models, optimizers: None = None, enabled: bool = True, opt_level: str = "O1",
                cast_model_type: torch.dtype | None = None, patch_torch_functions: bool | None = None,
-               keep_batchnorm_fp32: bool | str | None = None, master_weights: bool | None = None,
+               keep_batchnorm_fp32: bool | str | None = None, master_weights: bool | str | None = None,
                loss_scale: float | str | None = None, cast_model_outputs: torch.dtype | None = None,
                num_losses: int = 1, verbosity: int = 1, min_loss_scale: float | None = None,
                max_loss_scale: float | None = 2.0**24, *, growth_factor: float = 2.0,
@@ -134,7 +134,7 @@ def initialize(models: _Models, optimizers: None = None, enabled: bool = True, o
 @overload
 def initialize(models: _Models, optimizers: _Optimizers, enabled: bool = True, opt_level: str = "O1",
                cast_model_type: torch.dtype | None = None, patch_torch_functions: bool | None = None,
-               keep_batchnorm_fp32: bool | str | None = None, master_weights: bool | None = None,
+               keep_batchnorm_fp32: bool | str | None = None, master_weights: bool | str | None = None,
                loss_scale: float | str | None = None, cast_model_outputs: torch.dtype | None = None,
                num_losses: int = 1, verbosity: int = 1, min_loss_scale: float | None = None,
                max_loss_scale: float | None = 2.0**24, *, growth_factor: float = 2.0,
@@ -146,7 +146,7 @@ def initialize(models: _Models, optimizers: _Optimizers, enabled: bool = True, o
 def initialize(models: _Models, optimizers: _Optimizers | None = None, enabled: bool = True,
                opt_level: str = "O1", cast_model_type: torch.dtype | None = None,
                patch_torch_functions: bool | None = None, keep_batchnorm_fp32: bool | str | None = None,
-               master_weights: bool | None = None, loss_scale: float | str | None = None,
+               master_weights: bool | str | None = None, loss_scale: float | str | None = None,
                cast_model_outputs: torch.dtype | None = None, num_losses: int = 1, verbosity: int = 1,
                min_loss_scale: float | None = None, max_loss_scale: float | None = 2.0**24, *,
                growth_factor: float = 2.0, backoff_factor: float | None = None,
@@ -166,7 +166,10 @@ def initialize(models: _Models, optimizers: _Optimizers | None = None, enabled: 
     batchnorm and master weights, dynamic scale), O3 (pure fp16), O4 (O1 with bfloat16, scale 1),
     O5 (O2 with bfloat16, scale 1). ``cast_model_type``, ``patch_torch_functions``,
     ``keep_batchnorm_fp32``, ``master_weights`` and ``loss_scale`` override the preset (``None``
-    keeps it); ``loss_scale`` is ``"dynamic"`` or a number. Models and optimizers may live on
+    keeps it); ``loss_scale`` is ``"dynamic"`` or a number. ``master_weights="remainder"`` (bf16
+    models: O5) keeps each fp32 master as its bf16 model weight plus a 16-bit remainder and a carry
+    bit, 2.125 bytes per parameter instead of 4, with the same bits in every step (see
+    ``docs/reference.md``). Models and optimizers may live on
     CPU or CUDA. Call parallel wrappers (DDP) after ``initialize``. A model cast to
     ``cast_model_type`` keeps its float64 buffers in float64 (float64 parameters are refused).
     amp picks the precision: a ``torch.autocast`` around the models' forward is warned about.

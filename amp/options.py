@@ -13,7 +13,7 @@ import torch
 
 from ._apex_compat import warn_or_err
 
-__all__ = ["OPT_LEVELS", "OptLevel", "Options", "check_bool", "check_option", "patch_type_of"]
+__all__ = ["OPT_LEVELS", "OptLevel", "Options", "REMAINDER", "check_bool", "check_option", "patch_type_of"]
 
 CAST_MODEL_TYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -49,6 +49,10 @@ OPT_LEVELS = {
         cast_model_type=torch.bfloat16, patch_torch_functions=False, keep_batchnorm_fp32=True,
         master_weights=True, loss_scale=1.0)),
 }
+
+
+# master_weights=REMAINDER: bf16 weights plus remainders in place of fp32 masters (bf16 models only).
+REMAINDER = "remainder"
 
 
 def check_bool(name: str, value: object) -> None:
@@ -95,8 +99,8 @@ def check_option(opt_level: str | None, name: str, value: Any, lenient: bool) ->
             raise ValueError("keep_batchnorm_fp32 must be True, False, None, 'True' or 'False', "
                              f"got {value!r}.")
     elif name == "master_weights":
-        if value is not None:
-            check_bool("master_weights", value)
+        if value is not None and value != REMAINDER and not isinstance(value, bool):
+            raise TypeError(f"master_weights must be True, False, None or {REMAINDER!r}, got {value!r}.")
         if patching_level and value is not None:
             warn_or_err(f"It doesn't make sense to use master_weights with {opt_level}: with "
                         f"{opt_level} your model weights themselves should be FP32.", lenient)
@@ -127,7 +131,7 @@ class Options:
     cast_model_type: torch.dtype | bool | None = None  # False: no cast, as None
     patch_torch_functions: bool = False
     keep_batchnorm_fp32: bool | None = None
-    master_weights: bool | None = None
+    master_weights: bool | str | None = None  # True, False, None or REMAINDER
     loss_scale: float | str = 1.0
     lenient: dataclasses.InitVar[bool] = False
 
@@ -135,6 +139,13 @@ class Options:
         for field in dataclasses.fields(self):
             value = check_option(self.opt_level, field.name, getattr(self, field.name), lenient)
             object.__setattr__(self, field.name, value)
+        if self.master_weights == REMAINDER and self.cast_model_type is not torch.bfloat16:
+            cast = "no cast" if self.cast_model_type in (None, False) else self.cast_model_type
+            raise ValueError(
+                f"master_weights='remainder' keeps each fp32 master as its bfloat16 model weight plus the "
+                f"low 16 bits, so the model must be cast to torch.bfloat16, but {self.opt_level} with "
+                f"these options has {cast}. Use opt_level='O5' (or cast_model_type=torch.bfloat16); "
+                "fp16 values are not truncated fp32 values, so fp16 models keep master_weights=True.")
 
     @classmethod
     def for_level(cls, opt_level: str, overrides: Mapping[str, Any], lenient: bool = False) -> Options:

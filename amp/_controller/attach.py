@@ -15,6 +15,7 @@ import torch
 
 from .._apex_compat import attach_apex_methods
 from .._compat import LR_SCHEDULER_STEP_MARKS, eager_under_compile
+from ..options import REMAINDER
 from .controller import OptimizerController
 from .weights import MasterWeights, OwnWeights, Weights
 
@@ -51,7 +52,8 @@ def attach_controller(optimizer: Any, context: AmpContext, param_names: dict[tor
     copy_masters_to_model: Callable[[], None] | None = None
     if context.options.master_weights and not context.sharded_masters:
         # amp.optimizers name their own kind of master weights, so amp never imports them.
-        masters = getattr(optimizer, "_amp_master_weights_kind", MasterWeights)(optimizer, names)
+        remainders = context.options.master_weights == REMAINDER
+        masters = getattr(optimizer, "_amp_master_weights_kind", MasterWeights)(optimizer, names, remainders)
         optimizer.zero_grad = types.MethodType(_amp_zero_grad, optimizer)
         copy_masters_to_model = masters.copy_to_model
         weights = masters

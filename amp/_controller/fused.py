@@ -94,10 +94,10 @@ class FusedMasterWeights:
 
     master_weights = True
 
-    def __init__(self, optimizer: Any, param_names: dict[torch.Tensor, str]) -> None:
+    def __init__(self, optimizer: Any, param_names: dict[torch.Tensor, str], remainders: bool = False) -> None:
         self.optimizer = optimizer
         self.param_names = param_names
-        self.plain = MasterWeights(optimizer, param_names)
+        self.plain = MasterWeights(optimizer, param_names, remainders)
         self.materialize_master_grads = bool(optimizer.materialize_master_grads)
         # This step's mode: materialize_master_grads, or True once amp.master_params made them.
         self.reads_master_grads = self.materialize_master_grads

@@ -11,19 +11,29 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch import nn
 
 from .. import _collective_writes
 from .._master_weights import swap_in_fp32_masters
+from .._remainder_master import RemainderMaster
 
 __all__ = ["Masters"]
+
+
+def _remainder_master(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """The master of a bf16 ``param`` whose fp32 value is ``value``, as weight plus remainders."""
+    laid_out = torch.empty_like(param, dtype=torch.float32).copy_(value)
+    return nn.Parameter(RemainderMaster.of(param, laid_out))
 
 
 class Masters:
     """The masters of one optimizer, their low-precision model params, and what amp last wrote."""
 
-    def __init__(self, optimizer: Any, param_names: dict[torch.Tensor, str]) -> None:
+    def __init__(self, optimizer: Any, param_names: dict[torch.Tensor, str], remainders: bool = False) -> None:
         self.optimizer = optimizer
         self.param_names = param_names
+        # master_weights="remainder": each master is a RemainderMaster, whose bits are the model param's.
+        self.remainders = remainders
         self.reset()
 
     def reset(self) -> None:
@@ -39,7 +49,8 @@ class Masters:
 
     def swap_in(self, group: dict[str, Any], fp32_values: dict[int, torch.Tensor] | None) -> list[torch.Tensor]:
         """Swap an fp32 master into ``group`` for each low-precision param; returns the fp32 params kept."""
-        fp16_params, masters, fp32_params = swap_in_fp32_masters(self.optimizer, group, fp32_values)
+        make_master = _remainder_master if self.remainders else None
+        fp16_params, masters, fp32_params = swap_in_fp32_masters(self.optimizer, group, fp32_values, make_master)
         for param, master in zip(fp16_params, masters):
             name = self.param_names.get(param)
             if name is not None:  # an unnamed param's master is named by its position, as the param
@@ -57,13 +68,13 @@ class Masters:
             master.grad = None
 
     def copy_to_model(self) -> None:
-        """Round the masters into the model's low-precision params."""
-        if self.model_params:
+        """Round the masters into the model's low-precision params (remainder masters always are)."""
+        if self.model_params and not self.remainders:
             # A plain rounding copy, no scaling and no check: PyTorch's foreach copy is the fastest
             # kernel for it (amp_C's scale-by-1.0 measured 2x slower on CPU for fp32 -> fp16).
             with torch.no_grad():
                 torch._foreach_copy_(self.model_params, self.masters)
-            self.note_versions()
+        self.note_versions()
 
     def note_versions(self) -> None:
         """Remember each low-precision param's version right after amp wrote it (see below)."""

@@ -168,10 +168,10 @@ class MasterWeights:
 
     master_weights = True
 
-    def __init__(self, optimizer: Any, param_names: dict[torch.Tensor, str]) -> None:
+    def __init__(self, optimizer: Any, param_names: dict[torch.Tensor, str], remainders: bool = False) -> None:
         self.optimizer = optimizer
         self.param_names = param_names
-        self.masters = Masters(optimizer, param_names)
+        self.masters = Masters(optimizer, param_names, remainders)
         self.master_grads = MasterGrads()
         self.fp32 = GradStash()
         # Slots for the model's low-precision grads, where they are the step's input (``fused``).

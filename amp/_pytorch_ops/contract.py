@@ -24,8 +24,9 @@ The rules, in the order they are checked; the first one broken is reported.
    With no tensors in the lists the op stops here: it writes nothing (the l2norm family returns
    zero norms on the flag's device).
 5. Each tensor, list by list and index by index: float32, float16 or bfloat16 (remainders:
-   int16, contiguous, ``remainder.packed_numel`` of the index's numel, and ``chunk_size`` a
-   multiple of 32, so that no carry word spans two chunks); the dtype of the
+   int16, contiguous, ``remainder.packed_numel`` of the index's numel, 4-byte aligned for their
+   int32 carry words, and ``chunk_size`` a multiple of 32, so that no carry word spans two
+   chunks); the dtype of the
    first tensor of its list; on the device of ``tensor_lists[0][0]``; the numel of
    ``tensor_lists[0][i]``; dense (its elements fill a gap-free block: contiguous, channels_last, a
    transposed matrix...); laid out as ``tensor_lists[0][i]``: the same shape and strides (those of
@@ -204,7 +205,8 @@ def same_layout(t, ref):
 
 
 def _check_remainders(op, t, ref, where, device):
-    """Rule 5 for a tensor of remainders: int16, contiguous, packed for ``ref``'s numel, on its device."""
+    """Rule 5 for a tensor of remainders: int16, on its device, contiguous, packed for ``ref``'s
+    numel, 4-byte aligned."""
     if t.dtype != torch.int16:
         raise ValueError(f"{op}: {where} has dtype {t.dtype}; remainders are int16")
     if t.device != device:
@@ -218,6 +220,11 @@ def _check_remainders(op, t, ref, where, device):
             f"{op}: {where} has {t.numel()} elements{'' if t.is_contiguous() else ' (not contiguous)'}; "
             f"the remainders of {ref.numel()} elements are a contiguous int16 tensor of {expected} "
             "(amp._pytorch_ops.remainder.packed_numel)"
+        )
+    if t.data_ptr() % 4:
+        raise ValueError(
+            f"{op}: {where} starts at an odd int16 offset; its carry words are read as int32, so the "
+            "remainders must be 4-byte aligned (amp._pytorch_ops.remainder.new_remainders)"
         )
 
 

@@ -20,11 +20,13 @@ Two callers hand a step more than the parameters' ``.grad``:
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterable, Optional, Sequence, Tuple, Union
+import contextlib
+from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Sequence, Tuple, Union
 
 import torch
 
 from amp._compat import eager_under_compile
+from amp._remainder_master import RemainderMaster
 from amp._controller.fused import FusedMasterWeights, inverse
 from amp.multi_tensor_apply import Scalar
 
@@ -34,8 +36,9 @@ _PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 #: What ``torch.optim.Optimizer`` takes as ``params``: tensors, or param groups (dicts).
 Params = Union[Iterable[torch.Tensor], Iterable[Dict[str, Any]]]
-#: A bucket's key: (device, grad dtype, param dtype, model-copy dtype or None, reads the model grad).
-BucketKey = Tuple[torch.device, torch.dtype, torch.dtype, Optional[torch.dtype], bool]
+#: A bucket's key: (device, grad dtype, param dtype, model-copy dtype or None, reads the model grad,
+#: steps remainders).
+BucketKey = Tuple[torch.device, torch.dtype, torch.dtype, Optional[torch.dtype], bool, bool]
 
 
 def check_real(name: str, value: Any, low: float, high: float = float("inf"),
@@ -49,14 +52,19 @@ def check_real(name: str, value: Any, low: float, high: float = float("inf"),
 
 
 class Bucket:
-    """The tensors of one op call: one device, one grad dtype, one param dtype, one copy dtype."""
+    """The tensors of one op call: one device, one grad dtype, one param dtype, one copy dtype.
 
-    __slots__ = ("params", "grads", "copies")
+    Under ``master_weights="remainder"`` the params are ``RemainderMaster``s, the copies their bf16
+    weights, and ``remainders`` their remainders: the op steps those two in place of the master.
+    """
+
+    __slots__ = ("params", "grads", "copies", "remainders")
 
     def __init__(self) -> None:
         self.params: list[torch.Tensor] = []
         self.grads: list[torch.Tensor] = []
         self.copies: list[torch.Tensor] = []
+        self.remainders: list[torch.Tensor] = []
 
     def part(self, indices: Sequence[int]) -> Bucket:
         """The bucket of the tensors at ``indices`` (this one if they are all of them)."""
@@ -66,7 +74,30 @@ class Bucket:
         part.params = [self.params[i] for i in indices]
         part.grads = [self.grads[i] for i in indices]
         part.copies = [self.copies[i] for i in indices] if self.copies else []
+        part.remainders = [self.remainders[i] for i in indices] if self.remainders else []
         return part
+
+    def op_lists(self, state: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
+        """The op's lists: grads, params, ``state``, then the model copies if any; with remainders
+        grads, bf16 weights, ``state``, remainders (the op rebuilds and steps the masters)."""
+        if self.remainders:
+            return [self.grads, self.copies, *state, self.remainders]
+        return [self.grads, self.params, *state] + ([self.copies] if self.copies else [])
+
+
+@contextlib.contextmanager
+def masters_rebuilt(bucket: Bucket, lists: list[list[torch.Tensor]]) -> Iterator[list[list[torch.Tensor]]]:
+    """An op's ``lists`` for a bucket, as they are, or, for an op that does not step remainders, in
+    the model-copy form ``[grads, fp32 masters, *state, bf16 weights]`` over masters rebuilt from the
+    remainders, which are split back afterwards (a skipped step stores the same bits back). The
+    masters of the bucket exist in fp32 for the op's duration."""
+    if not bucket.remainders:
+        yield lists
+        return
+    masters = [param.value() for param in bucket.params]
+    yield [lists[0], masters, *lists[2:-1], bucket.copies]
+    for param, master in zip(bucket.params, masters):
+        param.store(master)
 
 
 class FusedOptimizer(torch.optim.Optimizer):
@@ -166,8 +197,9 @@ class FusedOptimizer(torch.optim.Optimizer):
                     f"{tuple(param.shape)} has one, e.g. from nn.Embedding(sparse=True)). Use dense "
                     "gradients, or a torch.optim optimizer that accepts sparse ones (SparseAdam, SGD) "
                     "for those parameters.")
+            remainders = param.remainders if isinstance(param, RemainderMaster) and copy is not None else None
             key = (param.device, grad.dtype, param.dtype, None if copy is None else copy.dtype,
-                   from_model and copy is not None)
+                   from_model and copy is not None, remainders is not None)
             bucket = buckets.get(key)
             if bucket is None:
                 bucket = buckets[key] = Bucket()
@@ -175,6 +207,8 @@ class FusedOptimizer(torch.optim.Optimizer):
             bucket.grads.append(grad)
             if copy is not None:
                 bucket.copies.append(copy)
+            if remainders is not None:
+                bucket.remainders.append(remainders)
         return buckets
 
     def _noop_flag(self, device: torch.device, found_inf: torch.Tensor | None) -> torch.Tensor:

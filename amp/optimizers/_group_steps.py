@@ -120,12 +120,10 @@ def check_moment_options(lr: float, eps: float, weight_decay: float, betas: Any)
 
 
 def moment_lists(state: Any, bucket: Bucket) -> list[list[torch.Tensor]]:
-    """``[grads, params, exp_avgs, exp_avg_sqs(, model_copies)]`` of a bucket, as the ops take them."""
+    """``[grads, params, exp_avgs, exp_avg_sqs(, model_copies)]`` of a bucket, as the ops take them
+    (with remainders ``[grads, weights, exp_avgs, exp_avg_sqs, remainders]``)."""
     states = [state[param] for param in bucket.params]
-    lists = [bucket.grads, bucket.params, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]]
-    if bucket.copies:
-        lists.append(bucket.copies)
-    return lists
+    return bucket.op_lists([[s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]])
 
 
 class _PendingSkip:

@@ -107,7 +107,7 @@ class FusedAdam(MomentsOptimizer):
         if step is None:
             return
         beta1, beta2 = group["betas"]
-        for (device, _, _, _, from_model), bucket in buckets.items():
+        for (device, _, _, _, from_model, _), bucket in buckets.items():
             lists = moment_lists(self.state, bucket)
             multi_tensor_applier(multi_tensor_adam, self._noop_flag(device, found_inf), lists, group["lr"],
                                  beta1, beta2, group["eps"], step, int(self.adam_w_mode),

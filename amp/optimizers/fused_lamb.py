@@ -8,7 +8,7 @@ import torch
 from amp._compat import foreach_norm
 from amp.multi_tensor_apply import Scalar, multi_tensor_applier, multi_tensor_lamb
 
-from ._fused import Bucket, BucketKey, Params, check_real
+from ._fused import Bucket, BucketKey, Params, check_real, masters_rebuilt
 from ._group_steps import MomentsOptimizer, check_moment_options, moment_lists
 
 __all__ = ["FusedLAMB"]
@@ -91,13 +91,15 @@ class FusedLAMB(MomentsOptimizer):
         if step is None:
             return
         beta1, beta2 = group["betas"]
-        for (device, _, _, _, from_model), bucket in buckets.items():
-            lists = moment_lists(self.state, bucket)
-            multi_tensor_applier(multi_tensor_lamb, self._noop_flag(device, found_inf), lists, group["lr"],
-                                 beta1, beta2, group["eps"], step, int(group["bias_correction"]),
-                                 group["weight_decay"], int(group["grad_averaging"]), int(self.adam_w_mode),
-                                 global_norm.to(device), self.defaults["max_grad_norm"], self.use_nvlamb,
-                                 model_inv_scale if from_model else inv_scale)
+        for (device, _, _, _, from_model, _), bucket in buckets.items():
+            # multi_tensor_lamb does not step remainders: it steps their masters, rebuilt.
+            with masters_rebuilt(bucket, moment_lists(self.state, bucket)) as lists:
+                multi_tensor_applier(multi_tensor_lamb, self._noop_flag(device, found_inf), lists,
+                                     group["lr"], beta1, beta2,
+                                     group["eps"], step, int(group["bias_correction"]), group["weight_decay"],
+                                     int(group["grad_averaging"]), int(self.adam_w_mode), global_norm.to(device),
+                                     self.defaults["max_grad_norm"], self.use_nvlamb,
+                                     model_inv_scale if from_model else inv_scale)
 
 
 def _global_grad_norm(plans: list[dict[BucketKey, Bucket]], inv_scale: Scalar,
@@ -107,7 +109,7 @@ def _global_grad_norm(plans: list[dict[BucketKey, Bucket]], inv_scale: Scalar,
     ops on whichever path the kernels take, so that the kernels' results never depend on it."""
     norms = []
     for buckets in plans:
-        for (_, _, _, _, from_model), bucket in buckets.items():
+        for (_, _, _, _, from_model, _), bucket in buckets.items():
             scale = model_inv_scale if from_model else inv_scale
             bucket_norms = torch.stack(foreach_norm(bucket.grads, 2, dtype=torch.float32))
             norms.append(bucket_norms * scale if isinstance(scale, torch.Tensor) or scale != 1.0

@@ -68,7 +68,7 @@ class FusedSGD(FusedOptimizer):
 
     def _step_group(self, group: dict[str, Any], buckets: dict[BucketKey, Bucket],
                     found_inf: torch.Tensor | None, inv_scale: Scalar, model_inv_scale: Scalar) -> None:
-        for (device, _, _, _, from_model), bucket in buckets.items():
+        for (device, _, _, _, from_model, _), bucket in buckets.items():
             scale = model_inv_scale if from_model else inv_scale
             states = [self.state[param] for param in bucket.params]
             started = [i for i, state in enumerate(states) if "momentum_buffer" in state]
@@ -87,9 +87,6 @@ class FusedSGD(FusedOptimizer):
 
     def _sgd(self, group: dict[str, Any], bucket: Bucket, bufs: list[torch.Tensor], first_run: bool,
              device: torch.device, found_inf: torch.Tensor | None, scale: Scalar) -> None:
-        lists = [bucket.grads, bucket.params, bufs]
-        if bucket.copies:
-            lists.append(bucket.copies)
-        multi_tensor_applier(multi_tensor_sgd, self._noop_flag(device, found_inf), lists,
+        multi_tensor_applier(multi_tensor_sgd, self._noop_flag(device, found_inf), bucket.op_lists([bufs]),
                              group["weight_decay"], group["momentum"], group["dampening"], group["lr"],
                              group["nesterov"], first_run, self.wd_after_momentum, scale)

@@ -32,7 +32,7 @@ def free_port():
 
 
 def same_on_every_rank(tensors):
-    flat = torch.cat([t.detach().float().reshape(-1) for t in tensors])
+    flat = torch.cat([t.detach().clone().float().reshape(-1) for t in tensors])  # clone: a remainder master's value
     gathered = [torch.empty_like(flat) for _ in range(WORLD)]
     dist.all_gather(gathered, flat)
     return all(torch.equal(g, gathered[0]) for g in gathered)
@@ -62,18 +62,29 @@ def ddp_scenario(rank):
                 scale=_amp_state.loss_scalers[0].loss_scale())
 
 
-def seeded_apart_scenario(rank, opt_level):
+def seeded_apart_scenario(rank, opt_level, return_values=False, **options):
     """Each rank builds its model from its own seed (as Apex's imagenet example does); DDP broadcasts rank 0's."""
     model = net(seed=rank)
-    model, optimizer = amp.initialize(model, sgd(model.parameters()), opt_level=opt_level, verbosity=0)
+    model, optimizer = amp.initialize(model, sgd(model.parameters()), opt_level=opt_level, verbosity=0, **options)
     model = torch.nn.parallel.DistributedDataParallel(model)
     for step in range(5):
         with amp.scale_loss(loss_of(model(batch(10 * step + rank))), optimizer) as scaled_loss:
             scaled_loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-    return dict(params_equal=same_on_every_rank(list(model.parameters())),
-                masters_equal=same_on_every_rank(list(amp.master_params(optimizer))))
+    result = dict(params_equal=same_on_every_rank(list(model.parameters())),
+                  masters_equal=same_on_every_rank(list(amp.master_params(optimizer))))
+    if return_values:
+        result["masters"] = [m.detach().clone() for m in amp.master_params(optimizer)]
+    return result
+
+
+def remainder_ddp_scenario(rank):
+    """O5 with remainders in DDP, ranks seeded apart: identical on both ranks, and bit for bit the
+    run with fp32 masters (every rank's)."""
+    runs = [seeded_apart_scenario(rank, "O5", master_weights=mw, return_values=True) for mw in (True, "remainder")]
+    same_as_fp32 = all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(runs[0]["masters"], runs[1]["masters"]))
+    return dict(params_equal=runs[1]["params_equal"], masters_equal=runs[1]["masters_equal"], same_as_fp32=same_as_fp32)
 
 
 def ddp_state_dict_scenario(rank):
@@ -117,8 +128,10 @@ def _identical_on_every_rank(model, optimizer):
 
 
 def _initialized(seed, opt_level):
+    """``opt_level`` "O5 remainder" is O5 with master_weights="remainder"."""
     model = net(seed=seed)
-    return amp.initialize(model, sgd(model.parameters()), opt_level=opt_level, verbosity=0)
+    options = dict(master_weights="remainder") if opt_level == "O5 remainder" else {}
+    return amp.initialize(model, sgd(model.parameters()), opt_level=opt_level.split()[0], verbosity=0, **options)
 
 
 def broadcast_scenario(rank, opt_level, through_data):
@@ -191,7 +204,7 @@ def synced_scenarios(rank):
             "broadcast(p.data)": lambda level: broadcast_scenario(rank, level, through_data=True),
             "broadcast after steps": lambda level: broadcast_after_steps_scenario(level, rank),
             "state_dict broadcast": lambda level: state_dict_broadcast_scenario(level, rank)}
-    return {way: {level: scenario(level) for level in ("O2", "O5")} for way, scenario in ways.items()}
+    return {way: {level: scenario(level) for level in ("O2", "O5", "O5 remainder")} for way, scenario in ways.items()}
 
 
 def group_scenario(rank, group):
@@ -225,6 +238,7 @@ def worker(rank, port, out_dir):
     own_groups = [dist.new_group([r]) for r in range(WORLD)]  # every rank creates every group
     results = dict(ddp=ddp_scenario(rank),
                    seeded_apart={level: seeded_apart_scenario(rank, level) for level in ("O2", "O5")},
+                   remainder_ddp=remainder_ddp_scenario(rank),
                    ddp_state_dict=ddp_state_dict_scenario(rank),
                    synced=synced_scenarios(rank),
                    one_rank_group=one_rank_group_scenario(rank, own_groups[rank]),
@@ -275,7 +289,12 @@ def test_ranks_seeded_apart_train_bit_identically_after_ddp_broadcasts_rank_0s_w
         assert result["seeded_apart"][opt_level] == dict(params_equal=True, masters_equal=True)
 
 
-@pytest.mark.parametrize("opt_level", ["O2", "O5"])
+def test_remainder_masters_in_ddp_train_bit_identically_on_both_ranks_and_as_fp32_masters(ranks):
+    for result in ranks:
+        assert result["remainder_ddp"] == dict(params_equal=True, masters_equal=True, same_as_fp32=True)
+
+
+@pytest.mark.parametrize("opt_level", ["O2", "O5", "O5 remainder"])
 @pytest.mark.parametrize("way", ["broadcast(p)", "broadcast(p.data)", "broadcast after steps",
                                  "state_dict broadcast"])
 def test_ranks_synced_without_ddp_train_bit_identically(ranks, way, opt_level):

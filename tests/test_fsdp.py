@@ -181,6 +181,13 @@ def optimizer_before_fully_shard_error():
     return error_of(run)
 
 
+def remainder_error():
+    def run():
+        model = sharded(net())
+        amp.initialize(model, sgd(model.parameters()), opt_level="O5", master_weights="remainder", verbosity=0)
+    return error_of(run)
+
+
 def fsdp1_error():
     from torch.distributed.fsdp import FullyShardedDataParallel
 
@@ -211,7 +218,8 @@ def worker(rank, port, out_dir):
                        mixed_batchnorm=mixed_batchnorm_unit_error(),
                        conflicting_policy=conflicting_policy_error(),
                        optimizer_first=optimizer_before_fully_shard_error(),
-                       fsdp1=fsdp1_error())
+                       fsdp1=fsdp1_error(),
+                       remainder=remainder_error())
     finish(rank, results, out_dir)
 
 
@@ -278,3 +286,7 @@ def test_optimizer_built_before_fully_shard_is_refused(ranks):
 def test_fsdp1_is_refused_with_a_pointer_to_fsdp2(ranks):
     assert "Use FSDP2 instead" in ranks[0]["fsdp1"]
 
+
+def test_remainder_masters_are_refused_with_fsdp2_saying_what_to_do(ranks):
+    for result in ranks:
+        assert "master_weights=True" in result["remainder"] and "fully_shard" in result["remainder"]

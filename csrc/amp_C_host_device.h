@@ -352,12 +352,13 @@ AMP_HOST_DEVICE inline float master_from_parts(uint16_t weight, uint16_t low, ui
   return float_of_bits(((static_cast<uint32_t>(weight) - carry) << 16) | low);
 }
 
-// A master's parts: returns the bf16 weight's bits; sets its low half and carry bit.
+// A master's parts: returns the bf16 weight's bits; sets its low half and carry bit (0 for a NaN).
 AMP_HOST_DEVICE inline uint16_t master_to_parts(float master, uint16_t& low, uint32_t& carry) {
   const uint32_t bits = bits_of_float(master);
   const uint16_t weight = bf16_bits_rounded(master);
-  low = static_cast<uint16_t>(bits & 0xffffu);
-  carry = (master == master && weight != (bits >> 16)) ? 1u : 0u;
+  const bool nan = master != master;  // no payload kept: devices make NaNs differently
+  low = nan ? uint16_t{0} : static_cast<uint16_t>(bits & 0xffffu);
+  carry = (!nan && weight != (bits >> 16)) ? 1u : 0u;
   return weight;
 }
 

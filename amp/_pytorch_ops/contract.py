@@ -215,6 +215,11 @@ def _check_remainders(op, t, ref, where, device):
             "tensors by device and call once per device"
         )
     expected = remainder.packed_numel(ref.numel())
+    if t.data_ptr() % 4:
+        raise ValueError(
+            f"{op}: {where} starts at an address that is not a multiple of 4 bytes; its carry words "
+            "are int32: give the remainders a tensor of their own (remainder.new_remainders)"
+        )
     if t.numel() != expected or not t.is_contiguous():
         raise ValueError(
             f"{op}: {where} has {t.numel()} elements{'' if t.is_contiguous() else ' (not contiguous)'}; "

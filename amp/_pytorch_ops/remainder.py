@@ -6,7 +6,8 @@ master's low 16 bits and one carry bit, set where the rounding went up (the mast
 then the weight's minus one, counting in bit patterns, which order values of one sign by
 magnitude). Weight, low half and carry give back the master bit for bit. The carry bit cannot be
 left out: round to nearest even sends 65,537 fp32 values to each even bf16 value (both halfway
-cases included), one more than 16 bits can tell apart. A NaN master comes back as a NaN.
+cases included), one more than 16 bits can tell apart. A NaN master comes back as a NaN (its
+weight is PyTorch's NaN, low half and carry 0, whatever its payload, which devices make differently).
 
 The remainders of an n-element tensor are one int16 tensor of ``packed_numel(n)`` elements: the n
 low halves, then one int16 of padding when n is odd, then ``ceil(n / 32)`` int32 words of carry
@@ -68,7 +69,7 @@ def split(master, weight, packed):
     bits = master.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
     top = bits >> 16
     carry = ((rounded.view(torch.int16).to(torch.int64) & 0xFFFF) != top) & ~torch.isnan(master)
-    low = bits & 0xFFFF
+    low = torch.where(torch.isnan(master), 0, bits & 0xFFFF)  # NaN: no payload kept
     low_out, words_out = _parts(packed, n)
     low_out.copy_(torch.where(low >= 2**15, low - 2**16, low))
     padded = torch.zeros(words_out.numel() * 32, dtype=torch.int64, device=master.device)

@@ -200,7 +200,8 @@ def _lamb_cases(device: torch.device) -> Iterator[Case]:
 
     def special(on_device: bool) -> Tuple[Any, ...]:
         return (*configs[0], *extra(0 if on_device else 1))
-    return _optimizer_cases("multi_tensor_lamb", device, _adam_forms(), configs, extra, special, (3,))
+    return _optimizer_cases("multi_tensor_lamb", device, _adam_forms(remainders=False), configs, extra, special,
+                            (3,))
 
 
 _CASES: Dict[str, Callable[[torch.device], Iterator[Case]]] = {

@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterable, Iterator, List, Optional, Sequence, 
 import torch
 
 from amp import _pytorch_ops
+from amp._pytorch_ops import remainder
 
 from .kernel_compare import Case, Observation, Op, call, dtype_name
 
@@ -299,21 +300,26 @@ def _hysteresis_cases(device: torch.device, quick: bool) -> Iterator[Case]:
 
 
 def _sgd_forms() -> List[Tuple[torch.dtype, ...]]:
-    """Dtypes of [grads, weights, momentum_bufs(, model_copies)] that multi_tensor_sgd takes."""
+    """Dtypes of [grads, weights, momentum_bufs(, model_copies)] that multi_tensor_sgd takes, and of
+    [grads, bf16 weights, momentum_bufs, remainders] (int16); a model-copy form last."""
     same: List[Tuple[torch.dtype, ...]] = [(d, d, d) for d in DTYPES]
+    remainders: List[Tuple[torch.dtype, ...]] = [(g, torch.bfloat16, torch.float32, torch.int16) for g in DTYPES]
     copies: List[Tuple[torch.dtype, ...]] = [(g, torch.float32, torch.float32, c)
                                              for g in DTYPES for c in LOW]
-    return same + copies
+    return same + remainders + copies
 
 
-def _adam_forms() -> List[Tuple[torch.dtype, ...]]:
+def _adam_forms(remainders: bool = True) -> List[Tuple[torch.dtype, ...]]:
     """Dtypes of [grads, params, exp_avgs, exp_avg_sqs(, model_copies)] that multi_tensor_adam (and
-    multi_tensor_lamb) takes."""
+    multi_tensor_lamb, without ``remainders``) takes, and adam's [grads, bf16 weights, exp_avgs,
+    exp_avg_sqs, remainders]; a model-copy form last."""
     same: List[Tuple[torch.dtype, ...]] = [(d,) * 4 for d in DTYPES]
     mixed: List[Tuple[torch.dtype, ...]] = [(g, torch.float32, torch.float32, torch.float32) for g in LOW]
+    stepped: List[Tuple[torch.dtype, ...]] = [(g, torch.bfloat16, torch.float32, torch.float32, torch.int16)
+                                              for g in DTYPES] if remainders else []
     copies: List[Tuple[torch.dtype, ...]] = [(g, torch.float32, torch.float32, torch.float32, c)
                                              for g in DTYPES for c in LOW]
-    return same + mixed + copies
+    return same + mixed + stepped + copies
 
 
 def _optimizer_lists(gen: torch.Generator, sizes: Sequence[int], form: Sequence[torch.dtype],
@@ -321,6 +327,10 @@ def _optimizer_lists(gen: torch.Generator, sizes: Sequence[int], form: Sequence[
                      positive: Sequence[int] = ()) -> List[List[torch.Tensor]]:
     lists = [_tensors(gen, sizes, form[0], device, scale=grad_scale)]
     for k, dtype in enumerate(form[1:], start=1):
+        if dtype == torch.int16:  # remainders: any bits are some master; a tensor of their own each
+            lists.append([torch.randint(-2**15, 2**15, (remainder.packed_numel(n),), generator=gen,
+                                        dtype=torch.int16).to(device) for n in sizes])
+            continue
         lists.append(_tensors(gen, sizes, dtype, device, shift=k, scale=0.1 if k > 1 else 1.0,
                               positive=k in positive))
     return lists
@@ -369,8 +379,9 @@ def _moment_op_cases(op: str, device: torch.device, quick: bool, configs: List[T
     arguments after the lists; an inv_scale of 2**-10 follows) on the main layouts, ``side_config``
     on the others; then a set flag, device tensors (``tensors_label``) and non-finite grads, with
     ``special_args(tensors)`` after the lists."""
+    all_forms = _adam_forms(remainders=op == "multi_tensor_adam")  # lamb steps no remainders
     for layout in _layouts(quick, many=50):
-        forms = _adam_forms() if layout in _main_layouts(quick) else [_adam_forms()[-1]]
+        forms = all_forms if layout in _main_layouts(quick) else [all_forms[-1]]
         chosen = configs if layout in _main_layouts(quick) else [side_config]
         for i, (form, config) in enumerate(_quick_subset(quick, [(f,) for f in forms], chosen)):
             def make(layout: Layout = layout, form: Tuple[torch.dtype, ...] = form,
@@ -386,7 +397,7 @@ def _moment_op_cases(op: str, device: torch.device, quick: bool, configs: List[T
                 tensors: bool = False) -> Callable[[], Tuple[Any, ...]]:
         def make() -> Tuple[Any, ...]:
             gen = torch.Generator().manual_seed(seed + 1)
-            lists = _optimizer_lists(gen, nine, _adam_forms()[-1], device, grad_scale=1024.0, positive=(3,))
+            lists = _optimizer_lists(gen, nine, all_forms[-1], device, grad_scale=1024.0, positive=(3,))
             if poison is not None:
                 _poison(lists[0], poison[1], poison[0])
             return (CHUNK, _flag(device, flag_value), lists, *special_args(tensors))

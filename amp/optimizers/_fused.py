@@ -94,9 +94,10 @@ def masters_rebuilt(bucket: Bucket, lists: list[list[torch.Tensor]]) -> Iterator
     if not bucket.remainders:
         yield lists
         return
-    masters = [param.value() for param in bucket.params]
+    params = [param for param in bucket.params if isinstance(param, RemainderMaster)]
+    masters = [param.value() for param in params]
     yield [lists[0], masters, *lists[2:-1], bucket.copies]
-    for param, master in zip(bucket.params, masters):
+    for param, master in zip(params, masters):
         param.store(master)
 
 

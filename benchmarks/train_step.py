@@ -98,24 +98,32 @@ CONFIGS = {
     "autocast bf16": ("autocast", torch.bfloat16),
     "amp O5 (bf16)": ("O5", torch.bfloat16),
     "amp O5 + FusedAdam (bf16)": ("O5", torch.bfloat16),
+    "amp O5 + FusedAdam, model grads": ("O5", torch.bfloat16),
+    "amp O5 + FusedAdam, remainders": ("O5", torch.bfloat16),
 }
 # Configurations stepped by amp.optimizers.FusedAdam instead of torch's AdamW, with its options.
 FUSED_ADAM = {
     "amp O2 + FusedAdam (fp16)": {},
     "amp O2 + FusedAdam, model grads": dict(materialize_master_grads=False),
     "amp O5 + FusedAdam (bf16)": {},
+    "amp O5 + FusedAdam, model grads": dict(materialize_master_grads=False),
+    "amp O5 + FusedAdam, remainders": dict(materialize_master_grads=False),
 }
+# amp.initialize options beyond the opt level.
+AMP_OPTIONS = {"amp O5 + FusedAdam, remainders": dict(master_weights="remainder")}
 # Bytes each configuration's post-backward work moves per parameter (reads + writes), counted from
 # the passes it makes: unscale fp16 -> fp32 master grads (2 + 4), fused AdamW on fp32 (read p, g,
 # m, v: 16; write p, m, v: 12), master -> model copy (4 + 2); GradScaler's check-and-unscale of
 # the fp32 grads in place (4 + 4) and torch's fused AdamW writing the unscaled grad back (4);
 # FusedAdam's pass, which also writes the model copy (from fp32 master grads: read 16, write 14;
 # with model grads: read g16, p, m, v: 14, write 14, after a read-only overflow check (2) that a
-# static scale (O5) skips).
+# static scale (O5) skips); with remainders the master is read and written as a bf16 weight plus
+# 2.125 bytes (read g, w, remainders, m, v: 14.125; write w, remainders, m, v: 12.125).
 BYTES_PER_PARAM = {
     "fp32": 28, "autocast fp16 + GradScaler": 8 + 32, "amp O1 (fp16)": 8 + 28, "amp O2 (fp16)": 6 + 28 + 6,
     "amp O2 + FusedAdam (fp16)": 6 + 30, "amp O2 + FusedAdam, model grads": 2 + 28,
     "autocast bf16": 28, "amp O5 (bf16)": 6 + 28 + 6, "amp O5 + FusedAdam (bf16)": 6 + 30,
+    "amp O5 + FusedAdam, model grads": 28, "amp O5 + FusedAdam, remainders": 26.25,
 }
 
 
@@ -129,7 +137,8 @@ def build(config, model_fn, device, fused):
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused)
     if kind.startswith("O"):
-        model, optimizer = amp.initialize(model, optimizer, opt_level=kind, verbosity=0)
+        model, optimizer = amp.initialize(model, optimizer, opt_level=kind, verbosity=0,
+                                          **AMP_OPTIONS.get(config, {}))
     return kind, dtype, model, optimizer
 
 
@@ -239,7 +248,7 @@ def print_traffic(workload_name, table):
         versus = ""
         if kind.startswith("O"):
             versus = f"{row['overhead'] / table[torch_counterpart(dtype)]['overhead']:.2f}x"
-        print(f"{name:34} {BYTES_PER_PARAM[name]:8d} {row['master_grads']:17.2f} {versus:>18}")
+        print(f"{name:34} {BYTES_PER_PARAM[name]:8g} {row['master_grads']:17.2f} {versus:>18}")
 
 
 def torch_counterpart(dtype):

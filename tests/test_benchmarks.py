@@ -15,7 +15,8 @@ pytestmark = pytest.mark.slow
 
 TRAIN_STEP_CONFIGS = ["fp32", "autocast fp16 + GradScaler", "amp O1 (fp16)", "amp O2 (fp16)",
                       "amp O2 + FusedAdam (fp16)", "amp O2 + FusedAdam, model grads",
-                      "autocast bf16", "amp O5 (bf16)", "amp O5 + FusedAdam (bf16)"]
+                      "autocast bf16", "amp O5 (bf16)", "amp O5 + FusedAdam (bf16)",
+                      "amp O5 + FusedAdam, model grads", "amp O5 + FusedAdam, remainders"]
 
 
 def assert_succeeded(result):
@@ -64,3 +65,15 @@ def test_o1_overhead_benchmark_compares_the_casting_engine_with_autocast_per_mod
     rows = [line.split() for line in result.stdout.splitlines()]
     models = {row[0] for row in rows if len(row) == 5 and row[0] != "model"}
     assert models == {"transformer", "tiny-xfmr", "cnn"}, result.stdout
+
+
+def test_remainder_memory_benchmark_prints_held_and_moved_bytes_for_each_setup():
+    result = run("benchmarks/remainder_memory.py", "--width", "256", "--layers", "2", "--steps", "1",
+                 "--warmup", "0")
+    assert_succeeded(result)
+    rows = {line[:36].strip(): line[36:].split() for line in result.stdout.splitlines()[2:]}
+    assert list(rows) == ["autocast bf16 + AdamW(fused=True)", "amp O5 + FusedAdam, fp32 masters",
+                          "amp O5 + FusedAdam, remainders"], result.stdout
+    held = {name: float(values[0]) for name, values in rows.items()}
+    assert held["amp O5 + FusedAdam, fp32 masters"] == 16.0  # bf16 weight and grad, fp32 master, m, v
+    assert held["amp O5 + FusedAdam, fp32 masters"] - held["amp O5 + FusedAdam, remainders"] >= 1.87

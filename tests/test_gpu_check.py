@@ -86,9 +86,12 @@ def check_report(gpus=1, **statuses):
                        "amp_C": {"cuda_runtime": "13.0"}, "devices": [{"device": d} for d in devices]})
 
 
-def train_step_report(o2_step=9.0, o2_peak=900.0):
+def train_step_report(o2_step=9.0, o2_peak=900.0, remainders_overhead=0.8):
     rows = {"autocast fp16 + GradScaler": {"step_ms": 10.0, "overhead_ms": 1.0, "peak_mib": 1000.0},
-            "amp O2 (fp16)": {"step_ms": o2_step, "overhead_ms": 0.9, "peak_mib": o2_peak}}
+            "amp O2 (fp16)": {"step_ms": o2_step, "overhead_ms": 0.9, "peak_mib": o2_peak},
+            "autocast bf16": {"step_ms": 10.0, "overhead_ms": 1.0, "peak_mib": 1000.0},
+            "amp O5 + FusedAdam, remainders": {"step_ms": 9.0, "overhead_ms": remainders_overhead,
+                                               "peak_mib": 880.0}}
     return json.dumps({"device": "NVIDIA H100", "workloads": {"gpt": rows}})
 
 
@@ -223,6 +226,13 @@ def test_o2_slower_or_larger_than_gradscaler_is_not_met(tmp_path):
     step, peak = row(tmp_path, "train_step gpt: O2 step"), row(tmp_path, "train_step gpt: O2 peak")
     assert (step.status, peak.status) == (summary.NOT_MET, summary.NOT_MET)
     assert step.result == "1.10x (11.00 ms vs 10.00 ms)"
+
+
+def test_o5_remainders_post_backward_slower_than_autocast_bf16_is_not_met(tmp_path):
+    write_logs(tmp_path, train_step_json=train_step_report(remainders_overhead=1.2))
+    overhead = row(tmp_path, "train_step gpt: O5 remainders post-backward")
+    assert overhead.status == summary.NOT_MET and overhead.result == "1.20x (1.20 ms vs 1.00 ms)"
+    assert row(tmp_path, "train_step gpt: O5 remainders peak").status == summary.MET
 
 
 def test_unmeasured_peak_memory_is_not_run(tmp_path):

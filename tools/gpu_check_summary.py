@@ -225,6 +225,9 @@ def train_step_rows(log, report_text):
         return [Row(check, problem or "no train_step.json", goal, NOT_RUN)]
     try:
         tables = json.loads(report_text)["workloads"]
+        missing = [name for table in tables.values() for name in (AMP_O2, TORCH_FP16) if name not in table]
+        if missing:  # the O2 rows are what this summary was written for; the others may be absent
+            raise KeyError(missing[0])
     except (ValueError, KeyError) as err:
         return [Row(check, f"train_step.json is not what this summary reads: {err!r}", goal, NOT_RUN)]
     rows = []

@@ -205,8 +205,8 @@ def same_layout(t, ref):
 
 
 def _check_remainders(op, t, ref, where, device):
-    """Rule 5 for a tensor of remainders: int16, on its device, contiguous, packed for ``ref``'s
-    numel, 4-byte aligned."""
+    """Rule 5 for a tensor of remainders: int16, on its device, 4-byte aligned, contiguous and
+    packed for ``ref``'s numel."""
     if t.dtype != torch.int16:
         raise ValueError(f"{op}: {where} has dtype {t.dtype}; remainders are int16")
     if t.device != device:
@@ -225,11 +225,6 @@ def _check_remainders(op, t, ref, where, device):
             f"{op}: {where} has {t.numel()} elements{'' if t.is_contiguous() else ' (not contiguous)'}; "
             f"the remainders of {ref.numel()} elements are a contiguous int16 tensor of {expected} "
             "(amp._pytorch_ops.remainder.packed_numel)"
-        )
-    if t.data_ptr() % 4:
-        raise ValueError(
-            f"{op}: {where} starts at an odd int16 offset; its carry words are read as int32, so the "
-            "remainders must be 4-byte aligned (amp._pytorch_ops.remainder.new_remainders)"
         )
 
 

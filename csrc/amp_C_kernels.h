@@ -18,7 +18,8 @@ enum class DType : int { Float32 = 0, Float16 = 1, BFloat16 = 2, Int32 = 3, Int6
 constexpr int kMaxDepth = 5;
 
 // Parallel tensor lists, already validated: list k holds `numel.size()` tensors of dtype
-// `dtype[k]`, tensor i of every list has `numel[i]` elements laid out identically.
+// `dtype[k]`, tensor i of every list has `numel[i]` elements laid out identically (but for a last
+// list of Int16 remainders, which packs those of the bf16 weights in list 1: amp_C_host_device.h).
 struct TensorLists {
   int depth = 0;
   DType dtype[kMaxDepth] = {DType::Float32, DType::Float32, DType::Float32, DType::Float32,

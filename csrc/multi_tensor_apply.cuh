@@ -67,6 +67,14 @@ struct Chunk {
   __device__ T* base(int k) const {
     return static_cast<T*>(meta.addresses[k][slot]) + start;
   }
+  // A list k of remainders (amp_C_host_device.h): the carry word of the chunk's first element,
+  // which begins one (chunk_size is a multiple of 32).
+  __device__ uint32_t* carry_words(int k) const {
+    uint16_t* packed = static_cast<uint16_t*>(meta.addresses[k][slot]);
+    return reinterpret_cast<uint32_t*>(packed + carry_offset(meta.sizes[slot])) + start / 32;
+  }
+  // The chunk's element that ends its tensor, or -1.
+  __device__ int64_t last() const { return start + n == meta.sizes[slot] ? n - 1 : -1; }
 };
 
 template <typename Functor, int depth, typename... Args>
@@ -184,6 +192,86 @@ __device__ __forceinline__ void store(T* p, const float (&x)[W]) {
 
 __device__ __forceinline__ bool is_aligned(const void* p) {
   return reinterpret_cast<uintptr_t>(p) % kVectorBytes == 0;
+}
+
+// ---- fp32 masters kept as bf16 weights plus remainders (amp_C_host_device.h) --------------------
+
+// The tag of a remainders list in an op's functor, in place of a model-copy type.
+struct Remainders {};
+
+// A chunk of bf16 weights and their remainders: the weights' bits, low halves and carry words from
+// the chunk's first element, and the chunk's element that ends the tensor (Chunk::last).
+struct MasterParts {
+  uint16_t* weight;
+  uint16_t* low;
+  uint32_t* carry;
+  int64_t last;
+};
+
+template <int depth>
+__device__ __forceinline__ MasterParts master_parts(const Chunk<depth>& chunk, int weights,
+                                                    int remainders) {
+  return {chunk.template base<uint16_t>(weights), chunk.template base<uint16_t>(remainders),
+          chunk.carry_words(remainders), chunk.last()};
+}
+
+// Copies W 16-bit values; W == kILP as one 16-byte vector (both pointers aligned).
+template <int W>
+__device__ __forceinline__ void copy_bits(uint16_t* to, const uint16_t* from) {
+  if constexpr (W == 1) {
+    to[0] = from[0];
+  } else {
+    static_assert(W * sizeof(uint16_t) == kVectorBytes, "kILP 16-bit values fill one vector");
+    *reinterpret_cast<uint4*>(to) = *reinterpret_cast<const uint4*>(from);
+  }
+}
+
+// Rebuilds the masters of chunk elements [i, i + W), whose carry bits one word holds (i is a
+// multiple of W, and W divides 32).
+template <int W>
+__device__ __forceinline__ void load_masters(float (&master)[W], const MasterParts& parts,
+                                             int64_t i) {
+  alignas(kVectorBytes) uint16_t weight[W];
+  alignas(kVectorBytes) uint16_t low[W];
+  copy_bits<W>(weight, parts.weight + i);
+  copy_bits<W>(low, parts.low + i);
+  const uint32_t word = parts.carry[i / 32];
+  const int shift = static_cast<int>(i % 32);
+#pragma unroll
+  for (int k = 0; k < W; ++k) {
+    master[k] = master_from_parts(weight[k], low[k], (word >> (shift + k)) & 1u);
+  }
+}
+
+// Splits the masters of chunk elements [i, i + W) back: the weights and low halves stored, and
+// their carry bits changed by one atomicXor. Other threads change only their own bits of a word,
+// so a plain read gives this one's bits as they are and nothing races. The thread of the
+// tensor's last element also owns the word's bits past it and the padding after an odd count of
+// low halves, which it zeroes as remainder.split does.
+template <int W>
+__device__ __forceinline__ void store_masters(const MasterParts& parts, int64_t i,
+                                              const float (&master)[W]) {
+  alignas(kVectorBytes) uint16_t weight[W];
+  alignas(kVectorBytes) uint16_t low[W];
+  uint32_t bits = 0;
+#pragma unroll
+  for (int k = 0; k < W; ++k) {
+    uint32_t bit;
+    weight[k] = master_to_parts(master[k], low[k], bit);
+    bits |= bit << k;
+  }
+  copy_bits<W>(parts.weight + i, weight);
+  copy_bits<W>(parts.low + i, low);
+  const uint32_t word = parts.carry[i / 32];
+  const int shift = static_cast<int>(i % 32);
+  uint32_t mine = ((1u << W) - 1u) << shift;
+  if (parts.last >= i && parts.last < i + W) {
+    mine |= ~((2u << (parts.last % 32)) - 1u);  // the bits past it (none where it ends a word)
+    // A chunk starts on an even element, so the tensor's count is odd where last + 1 is.
+    if ((parts.last + 1) % 2 != 0) parts.low[parts.last + 1] = 0;
+  }
+  const uint32_t change = (word ^ (bits << shift)) & mine;
+  if (change != 0) atomicXor(parts.carry + i / 32, change);
 }
 
 // Runs step(std::integral_constant<int, W>, i) over elements [0, n) of a chunk in steps of W:

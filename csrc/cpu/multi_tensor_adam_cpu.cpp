@@ -1,6 +1,7 @@
 // CPU twin of multi_tensor_adam.cu: one Adam/AdamW step per element (adam_element), over
-// [grads, params, exp_avgs, exp_avg_sqs] or [grads, fp32 params, fp32 exp_avgs,
-// fp32 exp_avg_sqs, model_copies].
+// [grads, params, exp_avgs, exp_avg_sqs], [grads, fp32 params, fp32 exp_avgs,
+// fp32 exp_avg_sqs, model_copies] or [grads, bf16 weights, fp32 exp_avgs, fp32 exp_avg_sqs,
+// remainders].
 #include <type_traits>
 
 #include "multi_tensor_apply_cpu.h"
@@ -58,17 +59,27 @@ AMP_INLINE void adam_loop_half_params(const half_t* grad, half_t* param, half_t*
   });
 }
 
-// param_t is also the state's type; the caller checked the combination. No lambdas: everything
-// must inline into the clones of adam_piece to be compiled for them.
+// param_t is also the state's type (fp32 with remainders, whose masters the loop steps a carry
+// word at a time: in_master_words); the caller checked the combination. No lambdas but those of
+// the block helpers: everything must inline into the clones of adam_piece to be compiled for them.
 template <bool kL2, bool kSmallW1, typename grad_t, typename param_t>
 AMP_INLINE void adam_options(const TensorLists& lists, const Piece& p, const AdamArgs& args,
                              AdamStepFactors factors, float inv_scale) {
   const int64_t t = p.tensor;
   const int64_t n = p.end - p.begin;
   const grad_t* grad = static_cast<const grad_t*>(lists.ptr[0][t]) + p.begin;
-  param_t* param = static_cast<param_t*>(lists.ptr[1][t]) + p.begin;
   param_t* exp_avg = static_cast<param_t*>(lists.ptr[2][t]) + p.begin;
   param_t* exp_avg_sq = static_cast<param_t*>(lists.ptr[3][t]) + p.begin;
+  if constexpr (std::is_same_v<param_t, float>) {
+    if (lists.dtype[lists.depth - 1] == DType::Int16) {
+      in_master_words(lists, p, [&](float* master, int64_t i, int64_t m) {
+        adam_loop<false, kL2, kSmallW1>(grad + i, master, exp_avg + i, exp_avg_sq + i,
+                                        static_cast<float*>(nullptr), m, args, factors, inv_scale);
+      });
+      return;
+    }
+  }
+  param_t* param = static_cast<param_t*>(lists.ptr[1][t]) + p.begin;
   if (lists.depth == 4) {
     if constexpr (std::is_same_v<param_t, half_t>) {  // then the grads are fp16 too
       adam_loop_half_params<kL2, kSmallW1>(grad, param, exp_avg, exp_avg_sq, n, args, factors,
@@ -104,11 +115,11 @@ AMP_INLINE void adam_typed(const TensorLists& lists, const Piece& p, const AdamA
   }
 }
 
-// Params and state are fp32 or the grads' dtype.
+// Params and state are fp32 or the grads' dtype; with remainders, the state is fp32.
 template <typename grad_t>
 AMP_INLINE void adam_grads(const TensorLists& lists, const Piece& p, const AdamArgs& args,
                            AdamStepFactors factors, float inv_scale) {
-  if (lists.dtype[1] == DType::Float32) {
+  if (lists.dtype[1] == DType::Float32 || lists.dtype[lists.depth - 1] == DType::Int16) {
     adam_typed<grad_t, float>(lists, p, args, factors, inv_scale);
   } else {
     adam_typed<grad_t, grad_t>(lists, p, args, factors, inv_scale);

@@ -184,5 +184,65 @@ AMP_INLINE void in_fp32_blocks(const HalfList (&lists)[kLists], int64_t n, Loop&
   }
 }
 
+// ---- fp32 masters kept as bf16 weights plus remainders (amp_C_host_device.h) --------------------
+
+// Rebuilds the masters of one carry word's `count` elements from their weights, low halves and
+// carry bits. kCount: 32, a constant count the compiler unrolls and vectorises whole, or 0 for
+// fewer (`count`, in a tensor's last word).
+template <int64_t kCount>
+AMP_INLINE void rebuild_word(float* __restrict master, const bf16_t* __restrict weight,
+                             const uint16_t* __restrict low, uint32_t bits, int64_t count) {
+  for (int64_t j = 0; j < (kCount ? kCount : count); ++j) {
+    master[j] = master_from_parts(weight[j].bits, low[j], (bits >> j) & 1u);
+  }
+}
+
+// Splits the masters of one carry word's `count` elements (kCount as for rebuild_word) into their
+// weights and low halves; returns the word, its bits past `count` zero as remainder.split leaves
+// them.
+template <int64_t kCount>
+AMP_INLINE uint32_t split_word(const float* __restrict master, bf16_t* __restrict weight,
+                               uint16_t* __restrict low, int64_t count) {
+  uint32_t bits = 0;
+  for (int64_t j = 0; j < (kCount ? kCount : count); ++j) {
+    uint32_t bit;
+    weight[j].bits = master_to_parts(master[j], low[j], bit);
+    bits |= bit << j;
+  }
+  return bits;
+}
+
+// Elements [i, i + count) of one carry word, word(i / 32): their masters rebuilt into `block`,
+// stepped by loop(block, i, count), and split back, the word stored whole.
+template <int64_t kCount, typename Loop>
+AMP_INLINE void step_word(float* block, bf16_t* weight, uint16_t* low, uint32_t* carry, int64_t i,
+                          int64_t count, Loop& loop) {
+  rebuild_word<kCount>(block, weight + i, low + i, carry[i / 32], count);
+  loop(block, i, count);
+  carry[i / 32] = split_word<kCount>(block, weight + i, low + i, count);
+}
+
+// Runs an fp32 loop over the masters of piece `p` of a remainders form (bf16 weights in list 1,
+// their remainders in the last list) one carry word at a time: its masters are rebuilt into an
+// fp32 block, loop(block, i, count) steps elements [i, i + count) of the piece in it, and they are
+// split back. A word, not a larger block: over larger blocks rebuild, loop and split are passes
+// of their own, whose loads do not overlap the others' arithmetic (Adam measured 15% slower). A
+// piece begins a word (chunk_size is a multiple of 32), so no two pieces share one.
+template <typename Loop>
+AMP_INLINE void in_master_words(const TensorLists& lists, const Piece& p, Loop&& loop) {
+  const int64_t numel = lists.numel[p.tensor];
+  const int64_t n = p.end - p.begin;
+  auto* packed = static_cast<uint16_t*>(lists.ptr[lists.depth - 1][p.tensor]);
+  bf16_t* weight = static_cast<bf16_t*>(lists.ptr[1][p.tensor]) + p.begin;
+  uint16_t* low = packed + p.begin;
+  uint32_t* carry = reinterpret_cast<uint32_t*>(packed + carry_offset(numel)) + p.begin / 32;
+  float block[32];
+  const int64_t full = n - n % 32;
+  for (int64_t i = 0; i < full; i += 32) step_word<32>(block, weight, low, carry, i, 32, loop);
+  if (full < n) step_word<0>(block, weight, low, carry, full, n - full, loop);
+  // The padding after an odd count of low halves is zero, as remainder.split leaves it.
+  if (p.end == numel && numel % 2 != 0) packed[numel] = 0;
+}
+
 }  // namespace cpu
 }  // namespace amp_C

@@ -1,5 +1,6 @@
 // CPU twin of multi_tensor_sgd.cu: one SGD step per element (sgd_element), over
-// [grads, weights, momentum_bufs] or [grads, fp32 weights, fp32 momentum_bufs, model_copies].
+// [grads, weights, momentum_bufs], [grads, fp32 weights, fp32 momentum_bufs, model_copies] or
+// [grads, bf16 weights, fp32 momentum_bufs, remainders].
 #include <type_traits>
 
 #include "multi_tensor_apply_cpu.h"
@@ -56,7 +57,9 @@ AMP_INLINE void sgd_loop_half_weights(const half_t* grad, half_t* weight, half_t
 }
 
 // The weights', buffers' and copies' types for grads of type grad_t (the caller checked the
-// combination: one dtype at depth 3, fp32 weights and buffers with fp16/bf16 copies at depth 4).
+// combination: one dtype at depth 3, fp32 weights and buffers with fp16/bf16 copies at depth 4,
+// or bf16 weights, whose masters the loop steps a carry word at a time (in_master_words), with
+// fp32 buffers and remainders).
 template <typename Options, typename grad_t>
 AMP_INLINE void sgd_typed(const TensorLists& lists, const Piece& p, const SgdArgs& args,
                           float scale) {
@@ -73,8 +76,15 @@ AMP_INLINE void sgd_typed(const TensorLists& lists, const Piece& p, const SgdArg
     }
     return;
   }
-  float* weight = static_cast<float*>(lists.ptr[1][t]) + p.begin;
   float* buf = static_cast<float*>(lists.ptr[2][t]) + p.begin;
+  if (lists.dtype[3] == DType::Int16) {
+    in_master_words(lists, p, [&](float* master, int64_t i, int64_t m) {
+      sgd_loop<Options, false>(grad + i, master, buf + i, static_cast<float*>(nullptr), m, args,
+                               scale);
+    });
+    return;
+  }
+  float* weight = static_cast<float*>(lists.ptr[1][t]) + p.begin;
   if (lists.dtype[3] == DType::Float16) {
     sgd_loop_half_copy<Options>(grad, weight, buf,
                                 static_cast<half_t*>(lists.ptr[3][t]) + p.begin, n, args, scale);

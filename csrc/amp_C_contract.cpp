@@ -12,6 +12,8 @@
 #include <limits>
 #include <tuple>
 
+#include "amp_C_host_device.h"
+
 namespace amp_C {
 namespace {
 
@@ -52,10 +54,12 @@ int64_t chunks_of_tensor(int64_t numel, int64_t chunk_size) {
   return numel == 0 ? 0 : (numel - 1) / chunk_size + 1;
 }
 
-DType float_dtype(at::ScalarType type) {
+// The kernels' tag of a checked list's dtype: a float dtype, or int16 for remainders.
+DType kernel_dtype(at::ScalarType type) {
   switch (type) {
     case at::kHalf: return DType::Float16;
     case at::kBFloat16: return DType::BFloat16;
+    case at::kShort: return DType::Int16;
     default: return DType::Float32;
   }
 }
@@ -64,8 +68,17 @@ const char* dtype_name(DType d) {
   switch (d) {
     case DType::Float32: return "float32";
     case DType::Float16: return "float16";
+    case DType::Int16: return "int16";
     default: return "bfloat16";
   }
+}
+
+// remainder.packed_numel: the int16 elements of n elements' remainders (amp_C_host_device.h).
+int64_t packed_numel(int64_t n) { return carry_offset(n) + 2 * ((n + 31) / 32); }
+
+// Whether a last list is remainders: its first tensor is int16.
+bool holds_remainders(const std::vector<at::Tensor>& tensors) {
+  return !tensors.empty() && tensors[0].scalar_type() == at::kShort;
 }
 
 bool is_supported(at::ScalarType type) {
@@ -82,12 +95,36 @@ bool same_layout(const at::Tensor& t, const at::Tensor& ref) {
   return true;
 }
 
+// Rule 5 for a tensor of remainders: int16, on its device, 4-byte aligned, contiguous and packed
+// for `ref`'s numel.
+void check_remainders(const char* op, const at::Tensor& t, const at::Tensor& ref,
+                      const std::string& here, const at::Device& device) {
+  TORCH_CHECK_VALUE(t.scalar_type() == at::kShort, op, ": ", here, " has dtype ",
+                    torch_name(t.scalar_type()), "; remainders are int16");
+  TORCH_CHECK_VALUE(t.device() == device, op, ": ", here, " is on ", t.device(),
+                    " but tensor_lists[0][0] is on ", device,
+                    "; group the tensors by device and call once per device");
+  TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(t.data_ptr()) % 4 == 0, op, ": ", here,
+                    " starts at an address that is not a multiple of 4 bytes; its carry words are "
+                    "int32: give the remainders a tensor of their own (remainder.new_remainders)");
+  const int64_t expected = packed_numel(ref.numel());
+  TORCH_CHECK_VALUE(t.numel() == expected && t.is_contiguous(), op, ": ", here, " has ",
+                    t.numel(), " elements", t.is_contiguous() ? "" : " (not contiguous)",
+                    "; the remainders of ", ref.numel(),
+                    " elements are a contiguous int16 tensor of ", expected,
+                    " (amp._pytorch_ops.remainder.packed_numel)");
+}
+
 void check_tensor(const char* op, const TensorListList& tensor_lists, const ListNames& names,
                   size_t k, size_t i) {
   const at::Tensor& t = tensor_lists[k][i];
   const at::Tensor& first = tensor_lists[k][0];
   const at::Tensor& ref = tensor_lists[0][i];
   const std::string here = where(k, i, names);
+  if (names[k] == "remainders") {
+    check_remainders(op, t, ref, here, tensor_lists[0][0].device());
+    return;
+  }
   TORCH_CHECK_VALUE(i != 0 || is_supported(t.scalar_type()), op, ": ", here, " has dtype ",
                     torch_name(t.scalar_type()),
                     "; only float32, float16 and bfloat16 are supported");
@@ -157,6 +194,15 @@ std::vector<Range> ranges_of(const TensorListList& tensor_lists) {
   return ranges;
 }
 
+// "grads float16, params float32, ...": each list's name and dtype, for messages.
+std::string combination(const TensorLists& lists, const ListNames& names) {
+  std::string text;
+  for (int k = 0; k < lists.depth; ++k) {
+    text += (k ? ", " : "") + names[k] + " " + dtype_name(lists.dtype[k]);
+  }
+  return text;
+}
+
 // A step value as both implementations print it: an int as one, a float with 9 digits.
 std::string show_step(double value) {
   if (std::isnan(value)) return "nan";
@@ -178,13 +224,19 @@ ListNames check_call(const char* op, int64_t chunk_size, const at::Tensor& noop_
                      const TensorListList& tensor_lists, const std::vector<ListNames>& forms) {
   TORCH_CHECK_VALUE(chunk_size > 0, op, ": chunk_size must be positive, got ", chunk_size);
   std::string expected;
-  const ListNames* names = nullptr;
+  const ListNames* names = nullptr;         // the first form with as many lists
+  const ListNames* last_fitting = nullptr;  // the last one
   for (const ListNames& form : forms) {
-    if (form.size() == tensor_lists.size()) names = &form;
+    if (form.size() == tensor_lists.size()) {
+      if (names == nullptr) names = &form;
+      last_fitting = &form;
+    }
     std::string joined;
     for (const std::string& name : form) joined += (joined.empty() ? "" : ", ") + name;
     expected += (expected.empty() ? "" : " or ") + std::to_string(form.size()) + " [" + joined + "]";
   }
+  // The remainders form has as many lists as the model-copy form: int16 tensors choose it.
+  if (names != last_fitting && holds_remainders(tensor_lists.back())) names = last_fitting;
   TORCH_CHECK_VALUE(names != nullptr, op, " expects ", expected, " tensor lists, got ",
                     tensor_lists.size());
   std::string lengths;
@@ -242,6 +294,9 @@ TensorLists check_tensors(const char* op, int64_t chunk_size, const TensorListLi
   for (size_t k = 0; k < tensor_lists.size(); ++k) {
     for (size_t i = 0; i < n; ++i) check_tensor(op, tensor_lists, names, k, i);
   }
+  TORCH_CHECK_VALUE(names.back() != "remainders" || chunk_size % 32 == 0, op,
+                    ": chunk_size must be a multiple of 32 with remainders (a carry word holds 32 "
+                    "elements' bits), got ", chunk_size);
   check_chunk_counts(op, chunk_size, tensor_lists[0], names, chunks_in_all);
   const at::Device device = tensor_lists[0][0].device();
   TORCH_CHECK_VALUE(device.is_cpu() || device.is_cuda(), op,
@@ -249,7 +304,7 @@ TensorLists check_tensors(const char* op, int64_t chunk_size, const TensorListLi
   lists.numel.resize(n);
   for (size_t i = 0; i < n; ++i) lists.numel[i] = tensor_lists[0][i].numel();
   for (size_t k = 0; k < tensor_lists.size(); ++k) {
-    lists.dtype[k] = float_dtype(tensor_lists[k][0].scalar_type());
+    lists.dtype[k] = kernel_dtype(tensor_lists[k][0].scalar_type());
     lists.ptr[k].resize(n);
     for (size_t i = 0; i < n; ++i) lists.ptr[k][i] = tensor_lists[k][i].data_ptr();
   }
@@ -294,6 +349,14 @@ void check_output_overlap(const char* op, const TensorListList& tensor_lists) {
 }
 
 void check_fused_dtypes(const char* op, const TensorLists& lists, const ListNames& names) {
+  if (names.back() == "remainders") {
+    bool ok = lists.dtype[1] == DType::BFloat16;
+    for (int k = 2; k < lists.depth - 1; ++k) ok &= lists.dtype[k] == DType::Float32;
+    TORCH_CHECK_VALUE(ok, op, ": unsupported dtype combination (", combination(lists, names),
+                      "); with remainders the weights are bfloat16 and the state float32 (the "
+                      "grads: any)");
+    return;
+  }
   // adam and lamb also take low-precision grads with fp32 params and state.
   const bool is_adam = std::string(op) == "multi_tensor_adam" || std::string(op) == "multi_tensor_lamb";
   const bool has_copies = names.back() == "model_copies";
@@ -310,12 +373,7 @@ void check_fused_dtypes(const char* op, const TensorLists& lists, const ListName
   } else if (is_adam && lists.dtype[0] != DType::Float32 && fp32_masters) {
     ok = true;
   }
-  if (ok) return;
-  std::string combination;
-  for (int k = 0; k < lists.depth; ++k) {
-    combination += (k ? ", " : "") + names[k] + " " + dtype_name(lists.dtype[k]);
-  }
-  TORCH_CHECK_VALUE(false, op, ": unsupported dtype combination (", combination,
+  TORCH_CHECK_VALUE(ok, op, ": unsupported dtype combination (", combination(lists, names),
                     "); supported: one dtype for every list",
                     is_adam ? ", fp16/bf16 grads with fp32 params and state" : "",
                     ", or with a model_copies list fp32 weights and state and fp16/bf16 copies");

@@ -21,7 +21,8 @@ namespace amp_C {
 using ListNames = std::vector<std::string>;
 
 // Rules 1 to 3 (chunk_size beyond int64 and of the wrong type are refused while the binding
-// converts it); returns the names of the lists, the form of `forms` that has their count.
+// converts it); returns the names of the lists, the form of `forms` that has their count (of two
+// such, the remainders form, last, where the last list's first tensor is int16).
 ListNames check_call(const char* op, int64_t chunk_size, const at::Tensor& noop_flag,
                      const TensorListList& tensor_lists, const std::vector<ListNames>& forms);
 

@@ -117,14 +117,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("chunk_size"), py::arg("noop_flag"), py::arg("tensor_lists"),
         py::arg("inv_scale"), py::arg("per_tensor") = py::none(), release());
   m.def("multi_tensor_sgd", with_chunk_size(&amp_C::multi_tensor_sgd),
-        "fused SGD step over [grads, weights, momentum_bufs(, model_copies)]; a no-op when "
-        "noop_flag is set",
+        "fused SGD step over [grads, weights, momentum_bufs(, model_copies)] or [grads, bf16 "
+        "weights, momentum_bufs, int16 remainders]; a no-op when noop_flag is set",
         py::arg("chunk_size"), py::arg("noop_flag"), py::arg("tensor_lists"), py::arg("wd"),
         py::arg("momentum"), py::arg("dampening"), py::arg("lr"), py::arg("nesterov"),
         py::arg("first_run"), py::arg("wd_after_momentum"), py::arg("scale"), release());
   m.def("multi_tensor_adam", with_chunk_size(&amp_C::multi_tensor_adam),
         "fused Adam (mode 0) / AdamW (mode 1) step over [grads, params, exp_avgs, exp_avg_sqs"
-        "(, model_copies)]; a no-op when noop_flag is set",
+        "(, model_copies)] or [grads, bf16 weights, exp_avgs, exp_avg_sqs, int16 remainders]; a "
+        "no-op when noop_flag is set",
         py::arg("chunk_size"), py::arg("noop_flag"), py::arg("tensor_lists"), py::arg("lr"),
         py::arg("beta1"), py::arg("beta2"), py::arg("epsilon"), py::arg("step"), py::arg("mode"),
         py::arg("bias_correction"), py::arg("weight_decay"), py::arg("inv_scale") = 1.0,

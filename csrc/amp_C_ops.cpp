@@ -26,8 +26,13 @@ namespace amp_C {
 namespace {
 
 const std::vector<ListNames> kSgdLists = {{"grads", "weights", "momentum_bufs"},
-                                          {"grads", "weights", "momentum_bufs", "model_copies"}};
+                                          {"grads", "weights", "momentum_bufs", "model_copies"},
+                                          {"grads", "weights", "momentum_bufs", "remainders"}};
 const std::vector<ListNames> kAdamLists = {
+    {"grads", "params", "exp_avgs", "exp_avg_sqs"},
+    {"grads", "params", "exp_avgs", "exp_avg_sqs", "model_copies"},
+    {"grads", "weights", "exp_avgs", "exp_avg_sqs", "remainders"}};
+const std::vector<ListNames> kLambLists = {
     {"grads", "params", "exp_avgs", "exp_avg_sqs"},
     {"grads", "params", "exp_avgs", "exp_avg_sqs", "model_copies"}};
 
@@ -302,7 +307,7 @@ void multi_tensor_lamb(int64_t chunk_size, const at::Tensor& noop_flag,
                        const FloatArg& global_grad_norm, const HostNumber& max_grad_norm,
                        const std::optional<HostNumber>& use_nvlamb, const FloatArg& inv_scale) {
   const char* op = "multi_tensor_lamb";
-  const ListNames names = check_call(op, chunk_size, noop_flag, tensor_lists, kAdamLists);
+  const ListNames names = check_call(op, chunk_size, noop_flag, tensor_lists, kLambLists);
   const double lr_d = real(op, "lr", lr);
   const double beta1_d = real(op, "beta1", beta1);
   const double beta2_d = real(op, "beta2", beta2);

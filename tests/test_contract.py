@@ -3,7 +3,8 @@
 ``amp_C`` and the PyTorch ops must refuse every misuse alike: the same exception type and the
 same message, whichever rule it breaks, for every op. Then the rules added for issue 27: the
 tensors of one index must store their elements in one order, no call may number more chunks
-than the CUDA launcher's int32 can, and adam's step tensor is checked like its int.
+than the CUDA launcher's int32 can, and adam's step tensor is checked like its int. Last, the
+remainders forms of sgd and adam (``[grads, bf16 weights, state..., int16 remainders]``).
 """
 import math
 import warnings
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from amp import _pytorch_ops
-from amp._pytorch_ops import contract, storage
+from amp._pytorch_ops import contract, remainder, storage
 from amp.multi_tensor_apply import amp_C
 
 pytestmark = pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
@@ -241,6 +242,91 @@ def test_both_paths_refuse_a_misuse_of_a_list_op_alike(label, op, misuse):
         misuse(args)
         refusals.append(refusal(lambda: getattr(ops, op)(**args)))
     assert refusals[0] == refusals[1]
+
+
+# ---- the remainders forms of sgd and adam ---------------------------------------------------------
+
+
+def valid_remainders_call(op):
+    """A valid call of sgd's or adam's remainders form: valid_call's lists with bf16 weights, and
+    their remainders as a last list."""
+    args = valid_call(op)
+    lists = args["tensor_lists"]
+    lists[1] = [t.bfloat16() for t in lists[1]]
+    lists.append([remainder.new_remainders(t.numel(), "cpu") for t in lists[1]])
+    return args
+
+
+def int16(numel):
+    return torch.zeros(numel, dtype=torch.int16)
+
+
+def lists_as(k, dtype):
+    def mutate(lists):
+        lists[k] = [t.to(dtype) for t in lists[k]]
+    return in_lists(mutate)
+
+
+def remainders_over_a_weight(lists):
+    lists[-1][0] = lists[1][1].view(-1).view(torch.int16)[:remainder.packed_numel(5)]
+
+
+REMAINDER_OPS = {"multi_tensor_sgd": 3, "multi_tensor_adam": 4}  # the index of the remainders' list
+REMAINDER_MISUSES = [
+    # rule 2: an int16 first tensor in the last list chooses the remainders form, else model copies
+    *(("an int16 tensor after a bf16 one in the last list", op, replace(k, 0, lambda t: t.bfloat16()))
+      for op, k in REMAINDER_OPS.items()),
+    *(("a bf16 tensor after an int16 one in the last list", op, replace(k, 1, lambda t: int16(24).bfloat16()))
+      for op, k in REMAINDER_OPS.items()),
+    # rule 5: each tensor of remainders
+    *((f"remainders {what}", op, replace(k, i, make)) for op, k in REMAINDER_OPS.items() for what, i, make in (
+        ("as int32", 1, lambda t: t.int()), ("on another device", 1, lambda t: t.to("meta")),
+        ("at an odd int16 offset", 1, lambda t: int16(t.numel() + 1)[1:]),
+        ("at an odd int16 offset and two too many", 1, lambda t: int16(t.numel() + 3)[1:]),
+        ("two too many", 1, lambda t: int16(t.numel() + 2)), ("two too few", 1, lambda t: int16(t.numel() - 2)),
+        ("of a 24-element tensor for a 5-element one", 0, lambda t: int16(remainder.packed_numel(24))),
+        ("not contiguous", 1, lambda t: int16(2 * t.numel())[::2]),
+        ("not contiguous and too many", 1, lambda t: int16(2 * t.numel() + 4)[::2]))),
+    *((f"chunk_size={value} with remainders", op, arg("chunk_size", lambda value=value: value))
+      for op in REMAINDER_OPS for value in (48, 100, 2**20 + 16)),
+    # rule 7: dtypes and memory
+    *((f"{name} as {dtype}", op, lists_as(k, dtype)) for op in REMAINDER_OPS for k, name, dtype in (
+        (1, "weights", torch.float32), (1, "weights", torch.float16), (2, "state", torch.bfloat16),
+        (2, "state", torch.float16))),
+    *(("remainders over a weight", op, in_lists(remainders_over_a_weight)) for op in REMAINDER_OPS),
+    # rule 8: writes
+    *(("inference remainders", op, replace(k, 1, lambda t: inference(t.shape, torch.int16)))
+      for op, k in REMAINDER_OPS.items()),
+]
+
+
+@needs_amp_C
+@pytest.mark.parametrize("label, op, misuse", REMAINDER_MISUSES, ids=lambda v: v if isinstance(v, str) else "")
+def test_both_paths_refuse_a_misuse_of_a_remainders_form_alike(label, op, misuse):
+    refusals = []
+    for ops in (amp_C, _pytorch_ops):
+        args = valid_remainders_call(op)
+        misuse(args)
+        refusals.append(refusal(lambda: getattr(ops, op)(**args)))
+    assert refusals[0] == refusals[1]
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("op", REMAINDER_OPS)
+def test_sgd_and_adam_step_their_remainders_forms(path, op):
+    args = valid_remainders_call(op)
+    lists = args["tensor_lists"]
+    masters = [remainder.rebuild(w.view(-1), r) for w, r in zip(lists[1], lists[-1])]
+    run(path, op, args)
+    assert not any(torch.equal(remainder.rebuild(w.view(-1), r), m) for w, r, m in zip(lists[1], lists[-1], masters))
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_lamb_has_no_remainders_form(path):
+    # An int16 last list is lamb's model copies, refused as such.
+    args = {**valid_call("multi_tensor_lamb"), "tensor_lists": valid_remainders_call("multi_tensor_adam")["tensor_lists"]}
+    with pytest.raises(ValueError, match=r"tensor_lists\[4\]\[0\] \(model_copies\) has dtype torch.int16"):
+        run(path, "multi_tensor_lamb", args)
 
 
 @needs_amp_C

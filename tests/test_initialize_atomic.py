@@ -44,7 +44,7 @@ BAD_CALLS = [
      TypeError, "enabled must be True or False"),
     ("master_weights as a string", lambda m, o: amp.initialize(m, o, opt_level="O2", verbosity=0,
                                                                master_weights="False"),
-     TypeError, "master_weights must be True or False"),
+     TypeError, "master_weights must be True, False, None or 'remainder'"),
     ("patch_torch_functions as a string",
      lambda m, o: amp.initialize(m, o, opt_level="O1", verbosity=0, patch_torch_functions="False"),
      TypeError, "patch_torch_functions must be True or False"),

@@ -7,13 +7,17 @@ parameter of the tensors held for training (parameters, grads, fp32 masters or r
 optimizer state; each storage counted once), measured right after ``scale_loss`` at the last
 step, when every grad exists; the bytes per parameter the step after backward moves (counted from
 its passes, below); the process's peak RSS over its RSS before the model was built; and the
-median time from the end of backward to the end of the step, with its ratio to torch's.
+median time from the end of backward to the end of the step, with its ratio to torch's. The
+processes run with ``MALLOC_MMAP_THRESHOLD_=65536``, so that glibc gives every large freed tensor
+back at once and RSS follows the tensors alive (with its default, which rises to the largest size
+freed so far, a setup that frees its fp32 model at ``initialize`` keeps those pages in its heap).
 
     python benchmarks/remainder_memory.py
     python benchmarks/remainder_memory.py --width 512 --layers 2 --steps 3   # a quick look
 """
 import argparse
 import json
+import os
 import resource
 import statistics
 import subprocess
@@ -30,6 +34,8 @@ SETUPS = {
     "amp O5 + FusedAdam, fp32 masters": True,
     "amp O5 + FusedAdam, remainders": "remainder",
 }
+# glibc's malloc, told to return every freed block of 64 KiB or more to the system at once.
+ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 # Bytes per parameter the step after backward reads and writes. torch: AdamW's fused pass over
 # fp32 params (read p, g, m, v: 16; write p, m, v: 12). amp with model grads (no fp32 master
 # grads): FusedAdam reads the bf16 grad and the fp32 master (2 + 4) or the bf16 weight and the
@@ -114,8 +120,8 @@ def main():
     forwarded = [f"--{key}={getattr(args, key)}" for key in ("width", "layers", "batch", "steps", "warmup")]
     results = {}
     for name in SETUPS:
-        out = subprocess.run([sys.executable, __file__, *forwarded, f"--setup={name}"],
-                             check=True, capture_output=True, text=True).stdout
+        out = subprocess.run([sys.executable, __file__, *forwarded, f"--setup={name}"], check=True,
+                             capture_output=True, text=True, env={**os.environ, **ALLOCATOR}).stdout
         results[name] = json.loads(out.strip().splitlines()[-1])
     torch_row = results["autocast bf16 + AdamW(fused=True)"]
     print(f"{torch_row['params'] / 1e6:.1f}M parameters, amp_C: "

@@ -22,8 +22,9 @@ __all__ = ["Masters"]
 
 def _remainder_master(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """The master of a bf16 ``param`` whose fp32 value is ``value``, as weight plus remainders."""
-    laid_out = torch.empty_like(param, dtype=torch.float32).copy_(value)
-    return nn.Parameter(RemainderMaster.of(param, laid_out))
+    if value.stride() != param.stride():
+        value = torch.empty_like(param, dtype=torch.float32).copy_(value)
+    return nn.Parameter(RemainderMaster.of(param, value))
 
 
 class Masters:

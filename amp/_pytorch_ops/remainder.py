@@ -41,44 +41,62 @@ def _parts(packed, n):
     return packed[:n], packed[carry_offset(n):].view(torch.int32)
 
 
+# Elements per slice of ``rebuild`` and ``split`` (a multiple of 32): their int64 temporaries stay
+# small, so that turning a model's masters into remainders never holds more than a slice's worth
+# (large freed temporaries would also leave the CPU allocator holding memory it does not give back).
+_SLICE = 2**16
+
+
+def _slices(n):
+    return ((begin, min(begin + _SLICE, n)) for begin in range(0, n, _SLICE))
+
+
 def _bit_positions(device):
     return torch.arange(32, dtype=torch.int64, device=device)
 
 
 def rebuild(weight, packed, out=None):
-    """The fp32 masters of a flat bf16 ``weight`` and its ``packed`` remainders (``out``: where)."""
+    """The fp32 masters of a flat bf16 ``weight`` and its ``packed`` remainders (into ``out``, a flat
+    fp32 tensor, if given)."""
     n = weight.numel()
     low, words = _parts(packed, n)
-    carry = (words.to(torch.int64).unsqueeze(1) >> _bit_positions(weight.device)) & 1
-    top = weight.view(torch.int16).to(torch.int64) & 0xFFFF
-    bits = ((top - carry.reshape(-1)[:n]) << 16) | (low.to(torch.int64) & 0xFFFF)
-    bits = torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32)
-    master = bits.view(torch.float32)
-    # A NaN weight was a NaN master; its carry and low half are not to be trusted.
-    master = torch.where(torch.isnan(weight), weight.to(torch.float32), master)
-    if out is None:
-        return master
-    return out.copy_(master)
+    out = torch.empty(n, dtype=torch.float32, device=weight.device) if out is None else out
+    for begin, end in _slices(n):
+        w = weight[begin:end]
+        carry = (words[begin // 32:(end + 31) // 32].to(torch.int64).unsqueeze(1) >> _bit_positions(w.device)) & 1
+        top = w.view(torch.int16).to(torch.int64) & 0xFFFF
+        bits = ((top - carry.reshape(-1)[:end - begin]) << 16) | (low[begin:end].to(torch.int64) & 0xFFFF)
+        bits = torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32)
+        # A NaN weight was a NaN master; its carry and low half are not to be trusted.
+        out[begin:end] = torch.where(torch.isnan(w), w.to(torch.float32), bits.view(torch.float32))
+    return out
+
+
+# PyTorch's NaN as bf16 bits (c10's rounding; amp_C writes it too, where torch's vectorised CPU
+# conversion gives another NaN).
+_BF16_NAN = 0x7FC0
 
 
 def split(master, weight, packed):
     """Write a flat fp32 ``master`` as its bf16 ``weight`` (rounded to nearest even) and ``packed``
     remainders, both in place; returns nothing."""
     n = master.numel()
-    rounded = master.to(torch.bfloat16)
-    bits = master.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    top = bits >> 16
-    carry = ((rounded.view(torch.int16).to(torch.int64) & 0xFFFF) != top) & ~torch.isnan(master)
-    low = torch.where(torch.isnan(master), 0, bits & 0xFFFF)  # NaN: no payload kept
     low_out, words_out = _parts(packed, n)
-    low_out.copy_(torch.where(low >= 2**15, low - 2**16, low))
-    padded = torch.zeros(words_out.numel() * 32, dtype=torch.int64, device=master.device)
-    padded[:n] = carry
-    words = (padded.view(-1, 32) << _bit_positions(master.device)).sum(dim=1)
-    words_out.copy_(torch.where(words >= 2**31, words - 2**32, words))
+    for begin, end in _slices(n):
+        m = master[begin:end]
+        nan = torch.isnan(m)
+        rounded = m.to(torch.bfloat16).view(torch.int16).masked_fill_(nan, _BF16_NAN)
+        bits = m.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+        carry = ((rounded.to(torch.int64) & 0xFFFF) != bits >> 16) & ~nan
+        low = (bits & 0xFFFF).masked_fill_(nan, 0)  # NaN: no payload kept
+        low_out[begin:end] = torch.where(low >= 2**15, low - 2**16, low)
+        padded = torch.zeros((end - begin + 31) // 32 * 32, dtype=torch.int64, device=m.device)
+        padded[:end - begin] = carry
+        words = (padded.view(-1, 32) << _bit_positions(m.device)).sum(dim=1)
+        words_out[begin // 32:(end + 31) // 32] = torch.where(words >= 2**31, words - 2**32, words)
+        weight[begin:end] = rounded.view(torch.bfloat16)
     if carry_offset(n) > n:
         packed[n] = 0
-    weight.copy_(rounded)
 
 
 @contextlib.contextmanager

@@ -68,7 +68,7 @@ def test_o1_overhead_benchmark_compares_the_casting_engine_with_autocast_per_mod
 
 
 def test_remainder_memory_benchmark_prints_held_and_moved_bytes_for_each_setup():
-    result = run("benchmarks/remainder_memory.py", "--width", "256", "--layers", "2", "--steps", "1",
+    result = run("benchmarks/remainder_memory.py", "--width", "256", "--layers", "2", "--steps", "2",
                  "--warmup", "0")
     assert_succeeded(result)
     rows = {line[:36].strip(): line[36:].split() for line in result.stdout.splitlines()[2:]}

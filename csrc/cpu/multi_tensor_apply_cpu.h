@@ -79,18 +79,6 @@ AMP_INLINE void dispatch_float_types(DType dtype, const char* op, F&& f) {
   }
 }
 
-AMP_INLINE float bits_to_float(uint32_t bits) {
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-
-AMP_INLINE uint32_t float_to_bits(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof(bits));
-  return bits;
-}
-
 AMP_INLINE float to_float(float x) { return x; }
 
 // fp16 -> fp32 without branches, so that it vectorises: shifting exponent and mantissa into
@@ -100,13 +88,13 @@ AMP_INLINE float to_float(half_t x) {
   const uint32_t sign = static_cast<uint32_t>(x.bits & 0x8000u) << 16;
   const uint32_t magnitude = x.bits & 0x7fffu;
   const uint32_t shifted = magnitude << 13;
-  const uint32_t finite = float_to_bits(bits_to_float(shifted) * 0x1p112f);
+  const uint32_t finite = bits_of_float(float_of_bits(shifted) * 0x1p112f);
   const uint32_t special = shifted | 0x7f800000u;
   const uint32_t is_special = 0u - static_cast<uint32_t>(magnitude >= 0x7c00u);  // all ones or 0
-  return bits_to_float(sign | (special & is_special) | (finite & ~is_special));
+  return float_of_bits(sign | (special & is_special) | (finite & ~is_special));
 }
 
-AMP_INLINE float to_float(bf16_t x) { return bits_to_float(static_cast<uint32_t>(x.bits) << 16); }
+AMP_INLINE float to_float(bf16_t x) { return float_of_bits(static_cast<uint32_t>(x.bits) << 16); }
 
 template <typename T> AMP_INLINE T from_float(float x);
 template <> AMP_INLINE float from_float<float>(float x) { return x; }
@@ -120,11 +108,7 @@ template <> AMP_INLINE half_t from_float<half_t>(float x) {
   return half_t{c10::Half(x).x};
 #endif
 }
-template <> AMP_INLINE bf16_t from_float<bf16_t>(float x) {
-  const uint32_t bits = float_to_bits(x);
-  const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
-  return bf16_t{x != x ? uint16_t{0x7fc0} : static_cast<uint16_t>(rounded)};  // c10's NaN
-}
+template <> AMP_INLINE bf16_t from_float<bf16_t>(float x) { return bf16_t{bf16_bits_rounded(x)}; }
 
 // out[0, n) = fp16(in[0, n)), rounded like from_float<half_t>, eight at a time (to_half_cpu.cpp).
 void to_half(half_t* out, const float* in, int64_t n);

@@ -55,13 +55,25 @@ class RemainderMaster(torch.Tensor):
     def value(self) -> torch.Tensor:
         """The master's fp32 value, a new plain tensor laid out as the weight."""
         with torch.no_grad():
-            rebuilt = remainder.rebuild(flat(self.weight.detach()), self.remainders)
+            rebuilt = remainder.rebuild(self._flat_weight(), self.remainders)
         return rebuilt.as_strided(self.shape, self.stride())
 
     def store(self, value: torch.Tensor) -> None:
         """Make ``value`` (fp32, laid out as the weight) the master: split into weight and remainders."""
         with torch.no_grad():
-            remainder.split(flat(value), flat(self.weight.detach()), self.remainders)
+            remainder.split(flat(value), self._flat_weight(), self.remainders)
+
+    def _flat_weight(self) -> torch.Tensor:
+        """The weight's elements in storage order, once it is checked to be what the remainders belong to."""
+        weight = self.weight.detach()
+        if weight.dtype != torch.bfloat16 or weight.shape != self.shape or weight.stride() != self.stride():
+            raise RuntimeError(
+                f"The model parameter of an fp32 master kept as bf16 weight plus remainders "
+                f"(master_weights='remainder') is now {weight.dtype} of shape {tuple(weight.shape)} and "
+                f"strides {weight.stride()}, not bfloat16 of shape {tuple(self.shape)} and strides "
+                f"{self.stride()} as amp.initialize left it (model.half(), .float() or .to(memory_format=...) "
+                "after initialize?): its master cannot be rebuilt. Convert the model before amp.initialize.")
+        return flat(weight)
 
     # Every operation reaches __torch_dispatch__, none runs as a Python-level override first.
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]

@@ -216,6 +216,16 @@ def test_masters_read_as_fp32_tensors_and_a_view_that_could_lose_a_write_raises(
     assert torch.equal(model[0].weight.detach(), (value * 2.0).to(torch.bfloat16))
 
 
+def test_a_model_converted_after_initialize_is_refused_at_the_next_step_not_trained_on_garbage():
+    model, optimizer = initialized(REMAINDER, OPTIMIZERS["torch AdamW"])
+    train(model, optimizer, 1)
+    with amp.scale_loss(model(torch.randn(8, 256).bfloat16()).float().sum(), optimizer) as scaled_loss:
+        scaled_loss.backward()
+    model.half()
+    with pytest.raises(RuntimeError, match="model.half"):
+        optimizer.step()
+
+
 @pytest.mark.parametrize("options, message", [
     (dict(opt_level="O2"), "torch.bfloat16"),
     (dict(opt_level="O5", cast_model_type=torch.float16), "torch.bfloat16"),

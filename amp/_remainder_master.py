@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.autograd.graph import increment_version
 from torch.utils._pytree import tree_map
 
 from ._pytorch_ops import remainder
@@ -59,9 +60,14 @@ class RemainderMaster(torch.Tensor):
         return rebuilt.as_strided(self.shape, self.stride())
 
     def store(self, value: torch.Tensor) -> None:
-        """Make ``value`` (fp32, laid out as the weight) the master: split into weight and remainders."""
+        """Make ``value`` (fp32, laid out as the weight) the master: split into weight and remainders.
+
+        The remainders' version counts the write even here, where writes made inside
+        ``__torch_dispatch__`` are not counted: amp tells its own writes from others' by it.
+        """
         with torch.no_grad():
             remainder.split(flat(value), self._flat_weight(), self.remainders)
+        increment_version(self.remainders)
 
     def _flat_weight(self) -> torch.Tensor:
         """The weight's elements in storage order, once it is checked to be what the remainders belong to."""

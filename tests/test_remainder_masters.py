@@ -186,17 +186,33 @@ def test_a_skipped_step_leaves_weights_remainders_and_state_untouched():
     assert_same_state(before[2], optimizer.state_dict())
 
 
-def test_a_param_written_by_load_state_dict_on_the_model_is_taken_into_its_master():
-    """As with fp32 masters: a value loaded into the model between steps is what the next step steps."""
+@pytest.mark.parametrize("name", ["FusedAdam", "torch AdamW"])
+def test_a_param_written_in_place_between_steps_is_taken_into_its_master(name):
+    """As with fp32 masters: a value written into the model between steps is what the next step steps."""
     runs = []
     for master_weights in (True, REMAINDER):
-        model, optimizer = initialized(master_weights)
+        model, optimizer = initialized(master_weights, OPTIMIZERS[name])
         train(model, optimizer, 2)
         with torch.no_grad():
             model[0].weight.mul_(0.5)  # an in-place edit of the bf16 param
         losses = train(model, optimizer, 3, first=2)
         runs.append(snapshot(model, optimizer, losses))
     assert_same_run(*runs)
+
+
+@pytest.mark.parametrize("name", ["FusedAdam", "torch AdamW"])
+def test_a_model_param_written_outside_amp_becomes_its_master(name):
+    """Even a write that leaves every value as it was (a clamp within range): the remainders cannot
+    tell it from a new value, so the param's value is the master from then on (an fp32 master
+    would keep its low bits here: the one difference from fp32 masters, documented)."""
+    model, optimizer = initialized(REMAINDER, OPTIMIZERS[name])
+    train(model, optimizer, 2)
+    with torch.no_grad():
+        model[0].weight.clamp_(-1e4, 1e4)
+    optimizer._amp_stash.weights.masters.refresh_written_elsewhere()
+    masters = masters_of(optimizer)
+    assert torch.equal(masters[0], model[0].weight.detach().float())
+    assert not torch.equal(masters[2], model[3].weight.detach().float())  # an untouched param keeps its bits
 
 
 def test_masters_read_as_fp32_tensors_and_a_view_that_could_lose_a_write_raises():

@@ -47,6 +47,8 @@ class Masters:
         self.masters: list[torch.Tensor] = []
         # Each model param's version right after amp wrote it (see refresh_written_elsewhere).
         self.versions: list[int] = []
+        # Remainder masters: their remainders' versions at the same time.
+        self.remainder_versions: list[int] = []
 
     def swap_in(self, group: dict[str, Any], fp32_values: dict[int, torch.Tensor] | None) -> list[torch.Tensor]:
         """Swap an fp32 master into ``group`` for each low-precision param; returns the fp32 params kept."""
@@ -80,6 +82,8 @@ class Masters:
     def note_versions(self) -> None:
         """Remember each low-precision param's version right after amp wrote it (see below)."""
         self.versions = [param._version for param in self.model_params]
+        if self.remainders:
+            self.remainder_versions = [master.remainders._version for master in self.masters]
 
     def refresh_written_elsewhere(self) -> None:
         """Take into its master the value of each low-precision param that something else wrote.
@@ -98,6 +102,14 @@ class Masters:
         master is replaced on every rank whatever the values, so that all ranks hold the same
         masters (in a group of one rank, the rule above applies). Other writes through
         ``param.data`` bypass the version counter and go unseen.
+
+        A remainder master is the param's own bits plus its remainders, so it always rounds to the
+        param: there the param's value becomes the master (its remainders zeroed) whenever something
+        wrote the param, unless amp wrote the remainders since the last step (loading a checkpoint
+        through the model writes both), or the write was a collective within a group of this rank
+        alone (which leaves every value as it was). Unlike an fp32 master, it is replaced even by a
+        write that left every value of the param as it was: the values written cannot be told from
+        new ones.
         """
         written = _collective_writes.take_written(self)
         versions = [param._version for param in self.model_params]
@@ -112,6 +124,15 @@ class Masters:
                     continue
                 if not group_size and index < len(recorded) and recorded[index] == versions[index]:
                     continue
-                if master._version == 0 or not torch.equal(master.to(param.dtype), param):
-                    master.copy_(param)
+                if self._keeps(index, param, master, group_size):
+                    continue
+                master.copy_(param)
         self.versions = versions
+
+    def _keeps(self, index: int, param: torch.Tensor, master: torch.Tensor, group_size: int) -> bool:
+        """Whether the master of a param that something wrote stays (refresh_written_elsewhere's rules)."""
+        if isinstance(master, RemainderMaster):
+            loaded = index < len(self.remainder_versions) and \
+                master.remainders._version != self.remainder_versions[index]
+            return group_size == 1 or loaded
+        return master._version != 0 and torch.equal(master.to(param.dtype), param)

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 from torch.autograd.graph import increment_version
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 from ._pytorch_ops import remainder
 from ._pytorch_ops.storage import flat
@@ -91,11 +91,6 @@ class RemainderMaster(torch.Tensor):
         if func in _ALIASES:
             return cls(args[0].weight, args[0].remainders)
         written = _written_masters(func, args, kwargs)
-        if not written and any(ret.alias_info is not None for ret in func._schema.returns):
-            raise RuntimeError(
-                f"{func} would view an fp32 master that amp keeps as a bf16 weight plus remainders "
-                "(amp.initialize(master_weights='remainder')): a write through the view would be lost. "
-                "Take master.clone() (its fp32 value) and view that, or write the master itself in place.")
         values: dict[int, tuple[RemainderMaster, torch.Tensor]] = {}
 
         def unwrap(leaf: Any) -> Any:
@@ -110,6 +105,7 @@ class RemainderMaster(torch.Tensor):
             return values[id(leaf)][1]
 
         out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
+        _refuse_views(func, out, [value for master, value in values.values() if id(master) not in written])
         for master, value in values.values():
             if id(master) in written:
                 master.store(value)
@@ -118,6 +114,17 @@ class RemainderMaster(torch.Tensor):
 
     def __repr__(self) -> str:  # type: ignore[override]
         return f"RemainderMaster({self.value()!r})"
+
+
+def _refuse_views(func: Any, out: Any, read_values: list[torch.Tensor]) -> None:
+    """Raise if an output of ``func`` views the rebuilt value of a master it did not write."""
+    storages = {value.untyped_storage().data_ptr() for value in read_values if value.numel() > 0}
+    for leaf in tree_leaves(out):
+        if isinstance(leaf, torch.Tensor) and leaf.numel() > 0 and leaf.untyped_storage().data_ptr() in storages:
+            raise RuntimeError(
+                f"{func} would view an fp32 master that amp keeps as a bf16 weight plus remainders "
+                "(amp.initialize(master_weights='remainder')): a write through the view would be lost. "
+                "Take master.clone() (its fp32 value) and view that, or write the master itself in place.")
 
 
 def _written_masters(func: Any, args: Any, kwargs: Any) -> set[int]:

@@ -226,6 +226,11 @@ def test_masters_read_as_fp32_tensors_and_a_view_that_could_lose_a_write_raises(
     assert "RemainderMaster(" in repr(master)
     with pytest.raises(RuntimeError, match="master.clone"):
         master.view(-1)
+    with pytest.raises(RuntimeError, match="master.clone"):
+        master.detach()[0]
+    ema = torch.zeros_like(value)
+    ema.add_(master.detach(), alpha=0.5)  # a plain tensor written from a master: no view of it
+    assert torch.equal(ema, value * 0.5)
     with torch.no_grad():
         master.mul_(2.0)  # an in-place write of the master reaches weight and remainders
     assert torch.equal(bits(master.detach().clone()), bits(value * 2.0))

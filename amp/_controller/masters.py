@@ -83,7 +83,8 @@ class Masters:
         """Remember each low-precision param's version right after amp wrote it (see below)."""
         self.versions = [param._version for param in self.model_params]
         if self.remainders:
-            self.remainder_versions = [master.remainders._version for master in self.masters]
+            self.remainder_versions = [master.remainders._version for master in self.masters
+                                       if isinstance(master, RemainderMaster)]
 
     def refresh_written_elsewhere(self) -> None:
         """Take into its master the value of each low-precision param that something else wrote.

@@ -21,7 +21,6 @@ from torch.autograd.graph import increment_version
 from torch.utils._pytree import tree_leaves, tree_map
 
 from ._pytorch_ops import remainder
-from ._pytorch_ops.storage import flat
 
 __all__ = ["RemainderMaster", "plain_value"]
 
@@ -56,8 +55,7 @@ class RemainderMaster(torch.Tensor):
     def value(self) -> torch.Tensor:
         """The master's fp32 value, a new plain tensor laid out as the weight."""
         with torch.no_grad():
-            rebuilt = remainder.rebuild(self._flat_weight(), self.remainders)
-        return rebuilt.as_strided(self.shape, self.stride())
+            return remainder.rebuild(self._checked_weight(), self.remainders)
 
     def store(self, value: torch.Tensor) -> None:
         """Make ``value`` (fp32, laid out as the weight) the master: split into weight and remainders.
@@ -66,11 +64,11 @@ class RemainderMaster(torch.Tensor):
         ``__torch_dispatch__`` are not counted: amp tells its own writes from others' by it.
         """
         with torch.no_grad():
-            remainder.split(flat(value), self._flat_weight(), self.remainders)
+            remainder.split(value, self._checked_weight(), self.remainders)
         increment_version(self.remainders)
 
-    def _flat_weight(self) -> torch.Tensor:
-        """The weight's elements in storage order, once it is checked to be what the remainders belong to."""
+    def _checked_weight(self) -> torch.Tensor:
+        """The weight, detached, once it is checked to be what the remainders belong to."""
         weight = self.weight.detach()
         if weight.dtype != torch.bfloat16 or weight.shape != self.shape or weight.stride() != self.stride():
             raise RuntimeError(
@@ -79,7 +77,7 @@ class RemainderMaster(torch.Tensor):
                 f"strides {weight.stride()}, not bfloat16 of shape {tuple(self.shape)} and strides "
                 f"{self.stride()} as amp.initialize left it (model.half(), .float() or .to(memory_format=...) "
                 "after initialize?): its master cannot be rebuilt. Convert the model before amp.initialize.")
-        return flat(weight)
+        return weight
 
     # Every operation reaches __torch_dispatch__, none runs as a Python-level override first.
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]

@@ -18,6 +18,8 @@ import contextlib
 
 import torch
 
+from .storage import flat
+
 __all__ = ["packed_numel", "carry_offset", "new_remainders", "rebuild", "split", "stepped_as_masters",
            "each_tensor_if_remainders"]
 
@@ -55,12 +57,13 @@ def _bit_positions(device):
     return torch.arange(32, dtype=torch.int64, device=device)
 
 
-def rebuild(weight, packed, out=None):
-    """The fp32 masters of a flat bf16 ``weight`` and its ``packed`` remainders (into ``out``, a flat
-    fp32 tensor, if given)."""
+def rebuild(weight, packed):
+    """The fp32 masters of a bf16 ``weight`` and its ``packed`` remainders, a new tensor laid out as
+    ``weight`` (any dense layout: elements pair up in storage order)."""
     n = weight.numel()
     low, words = _parts(packed, n)
-    out = torch.empty(n, dtype=torch.float32, device=weight.device) if out is None else out
+    out = torch.empty(n, dtype=torch.float32, device=weight.device)
+    weight_shape, weight_strides, weight = weight.shape, weight.stride(), flat(weight)
     for begin, end in _slices(n):
         w = weight[begin:end]
         carry = (words[begin // 32:(end + 31) // 32].to(torch.int64).unsqueeze(1) >> _bit_positions(w.device)) & 1
@@ -69,7 +72,7 @@ def rebuild(weight, packed, out=None):
         bits = torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32)
         # A NaN weight was a NaN master; its carry and low half are not to be trusted.
         out[begin:end] = torch.where(torch.isnan(w), w.to(torch.float32), bits.view(torch.float32))
-    return out
+    return out.as_strided(weight_shape, weight_strides)
 
 
 # PyTorch's NaN as bf16 bits (c10's rounding; amp_C writes it too, where torch's vectorised CPU
@@ -78,9 +81,10 @@ _BF16_NAN = 0x7FC0
 
 
 def split(master, weight, packed):
-    """Write a flat fp32 ``master`` as its bf16 ``weight`` (rounded to nearest even) and ``packed``
-    remainders, both in place; returns nothing."""
+    """Write an fp32 ``master`` as its bf16 ``weight`` (rounded to nearest even; both dense, laid out
+    alike) and ``packed`` remainders, both in place; returns nothing."""
     n = master.numel()
+    master, weight = flat(master), flat(weight)
     low_out, words_out = _parts(packed, n)
     for begin, end in _slices(n):
         m = master[begin:end]
@@ -101,10 +105,11 @@ def split(master, weight, packed):
 
 @contextlib.contextmanager
 def stepped_as_masters(lists, keep_old):
-    """``lists`` of a fused step with remainders (``[grads, weights, *state, remainders]``, flat) as
-    the model-copy form ``[grads, masters, *state, weights]`` over rebuilt fp32 masters; on exit the
-    stepped masters are split back into weights and remainders (not where ``keep_old``, the noop
-    flag as a 0-dim bool tensor, is set: see ``exact.store``)."""
+    """``lists`` of a fused step with remainders (``[grads, weights, *state, remainders]``) as the
+    model-copy form ``[grads, masters, *state, weights]`` over rebuilt fp32 masters, laid out as the
+    weights; on exit the stepped masters are split back into weights and remainders (not where
+    ``keep_old``, the noop flag as a 0-dim bool tensor, is set: see ``exact.store``; with None every
+    master is split back, and one a skipped step left alone gives the same bits again)."""
     grads, weights, *state, packed = lists
     masters = [rebuild(w, p) for w, p in zip(weights, packed)]
     yield [grads, masters, *state, weights]

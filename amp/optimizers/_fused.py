@@ -20,8 +20,7 @@ Two callers hand a step more than the parameters' ``.grad``:
 """
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -83,22 +82,6 @@ class Bucket:
         if self.remainders:
             return [self.grads, self.copies, *state, self.remainders]
         return [self.grads, self.params, *state] + ([self.copies] if self.copies else [])
-
-
-@contextlib.contextmanager
-def masters_rebuilt(bucket: Bucket, lists: list[list[torch.Tensor]]) -> Iterator[list[list[torch.Tensor]]]:
-    """An op's ``lists`` for a bucket, as they are, or, for an op that does not step remainders, in
-    the model-copy form ``[grads, fp32 masters, *state, bf16 weights]`` over masters rebuilt from the
-    remainders, which are split back afterwards (a skipped step stores the same bits back). The
-    masters of the bucket exist in fp32 for the op's duration."""
-    if not bucket.remainders:
-        yield lists
-        return
-    params = [param for param in bucket.params if isinstance(param, RemainderMaster)]
-    masters = [param.value() for param in params]
-    yield [lists[0], masters, *lists[2:-1], bucket.copies]
-    for param, master in zip(params, masters):
-        param.store(master)
 
 
 class FusedOptimizer(torch.optim.Optimizer):

@@ -1,14 +1,16 @@
 """``FusedLAMB``: LAMB in one ``multi_tensor_lamb`` call per kind of tensor (Apex's optimizer)."""
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
 
 from amp._compat import foreach_norm
+from amp._pytorch_ops import remainder
 from amp.multi_tensor_apply import Scalar, multi_tensor_applier, multi_tensor_lamb
 
-from ._fused import Bucket, BucketKey, Params, check_real, masters_rebuilt
+from ._fused import Bucket, BucketKey, Params, check_real
 from ._group_steps import MomentsOptimizer, check_moment_options, moment_lists
 
 __all__ = ["FusedLAMB"]
@@ -92,8 +94,10 @@ class FusedLAMB(MomentsOptimizer):
             return
         beta1, beta2 = group["betas"]
         for (device, _, _, _, from_model, _), bucket in buckets.items():
-            # multi_tensor_lamb does not step remainders: it steps their masters, rebuilt.
-            with masters_rebuilt(bucket, moment_lists(self.state, bucket)) as lists:
+            lists = moment_lists(self.state, bucket)
+            # multi_tensor_lamb does not step remainders: it steps their masters, rebuilt for the call.
+            stepped = remainder.stepped_as_masters(lists, None) if bucket.remainders else contextlib.nullcontext(lists)
+            with stepped as lists:
                 multi_tensor_applier(multi_tensor_lamb, self._noop_flag(device, found_inf), lists,
                                      group["lr"], beta1, beta2,
                                      group["eps"], step, int(group["bias_correction"]), group["weight_decay"],

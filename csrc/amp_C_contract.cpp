@@ -1,5 +1,6 @@
 // The argument contract of the amp_C operations (amp_C_contract.h): the mirror of
-// amp/_pytorch_ops/contract.py, function for function, message for message.
+// amp/_pytorch_ops/contract.py and contract_coefficients.py, function for function, message for
+// message.
 #include "amp_C_contract.h"
 
 #include <c10/core/InferenceMode.h>

@@ -2,8 +2,10 @@
 //
 // The contract is written once, as that module's docstring: nine rules for the list ops and the
 // rules of update_scale_hysteresis, checked in one order. Each function here is the function of
-// the same name there, checking the same rules in the same order and raising the same exception
-// types with the same messages (tests/test_contract.py compares both on every kind of misuse).
+// the same name there (or in contract_coefficients.py, which holds rule 9 and the checks of
+// update_scale_hysteresis), checking the same rules in the same order and raising the same
+// exception types with the same messages (tests/test_contract.py compares both on every kind of
+// misuse).
 // The rule numbers below are the docstring's. Everything is checked before anything is written.
 #pragma once
 

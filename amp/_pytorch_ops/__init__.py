@@ -9,7 +9,8 @@ takes a few dozen tensor operations, work through each tensor in cache-sized sli
 
 One module per family, as ``torch.optim.adam`` splits its math: ``scale``, ``axpby``, ``l2norm``
 (three ops), ``scale_update`` (``update_scale_hysteresis``), ``sgd``, ``adam`` and ``lamb``. What they share:
-``contract`` (the arguments every op accepts, checked in one order, the same as amp_C's),
+``contract`` (the arguments every op accepts, checked in one order, the same as amp_C's; its
+coefficient rules in ``contract_coefficients``),
 ``storage`` (elements in storage order, fp32 workspaces, the flag) and ``exact`` (the fused steps'
 exact fp32 arithmetic: a software fma, slices, scratch buffers).
 

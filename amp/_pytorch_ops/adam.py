@@ -1,7 +1,7 @@
 """``multi_tensor_adam``: Apex's fused Adam/AdamW step, with torch.optim.Adam's fp32 arithmetic."""
 import torch
 
-from . import contract, exact, remainder
+from . import contract, contract_coefficients, exact, remainder
 from .storage import flat
 
 _LISTS = (("grads", "params", "exp_avgs", "exp_avg_sqs"),
@@ -57,8 +57,8 @@ def multi_tensor_adam(chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, eps
     device = contract.check_fused_tensors(op, chunk_size, noop_flag, tensor_lists, names)
     if device is None:
         return
-    step, step_in_range = contract.adam_step(op, step, device)
-    inv_scale = contract.fp32_scalar(op, "inv_scale", inv_scale, device)
+    step, step_in_range = contract_coefficients.adam_step(op, step, device)
+    inv_scale = contract_coefficients.fp32_scalar(op, "inv_scale", inv_scale, device)
     tools = exact.step_tools(noop_flag, device)
     if tools is None:
         return

@@ -6,7 +6,7 @@ rounding intrinsics (CUDA) or ``-ffp-contract=off`` (C++).
 """
 import torch
 
-from . import contract
+from . import contract, contract_coefficients
 from .storage import flat, flag_buffer, fp32_copies, merge_flag, scale_
 
 
@@ -23,8 +23,8 @@ def multi_tensor_axpby(chunk_size, noop_flag, tensor_lists, a, b, arg_to_check):
     if device is None:
         return
     contract.check_outputs(op, noop_flag, device, tensor_lists, names)
-    a = contract.fp32_scalar(op, "a", a, device)
-    b = contract.fp32_scalar(op, "b", b, device)
+    a = contract_coefficients.fp32_scalar(op, "a", a, device)
+    b = contract_coefficients.fp32_scalar(op, "b", b, device)
     xs, ys, outs = ([flat(t) for t in tensors] for tensors in tensor_lists)
     found = flag_buffer(noop_flag)
     out_is_fp32 = tensor_lists[2][0].dtype == torch.float32

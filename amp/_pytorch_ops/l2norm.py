@@ -12,7 +12,7 @@ Apex's CUDA kernel: where a tensor's sum of squares (or the total) exceeds fp32'
 import torch
 
 from .._compat import foreach_norm
-from . import contract
+from . import contract, contract_coefficients
 from .storage import flat, fp32_copies
 
 
@@ -25,7 +25,7 @@ def _norms(op, chunk_size, noop_flag, tensor_lists, inv_scale, per_tensor, skip_
         return torch.zeros(1, dtype=torch.float32, device=noop_flag.device), empty
     contract.check_writes(op, noop_flag, device, tensor_lists, names, first_written=1)
     if inv_scale is not None:
-        inv_scale = contract.fp32_scalar(op, "inv_scale", inv_scale, device)
+        inv_scale = contract_coefficients.fp32_scalar(op, "inv_scale", inv_scale, device)
     xs = [flat(t) for t in tensor_lists[0]]
     with torch.no_grad():
         if inv_scale is not None:

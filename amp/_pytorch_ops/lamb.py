@@ -1,7 +1,7 @@
 """``multi_tensor_lamb``: Apex's fused LAMB step, in Apex's fp32 arithmetic."""
 import torch
 
-from . import contract, exact
+from . import contract, contract_coefficients, exact
 from .adam import power_of_step
 from .storage import flat
 
@@ -42,7 +42,7 @@ def multi_tensor_lamb(chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, eps
     names = contract.check_call(op, chunk_size, noop_flag, tensor_lists, _LISTS)
     lr, beta1, beta2, epsilon = (contract.real(op, name, value) for name, value in (
         ("lr", lr), ("beta1", beta1), ("beta2", beta2), ("epsilon", epsilon)))
-    step = contract.step_number(op, step)
+    step = contract_coefficients.step_number(op, step)
     bias_correction = contract.switch(op, "bias_correction", bias_correction)
     weight_decay = contract.real(op, "weight_decay", weight_decay)
     grad_averaging = contract.switch(op, "grad_averaging", grad_averaging)
@@ -52,8 +52,8 @@ def multi_tensor_lamb(chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, eps
     device = contract.check_fused_tensors(op, chunk_size, noop_flag, tensor_lists, names)
     if device is None:
         return
-    global_grad_norm = contract.fp32_scalar(op, "global_grad_norm", global_grad_norm, device)
-    inv_scale = contract.fp32_scalar(op, "inv_scale", inv_scale, device)
+    global_grad_norm = contract_coefficients.fp32_scalar(op, "global_grad_norm", global_grad_norm, device)
+    inv_scale = contract_coefficients.fp32_scalar(op, "inv_scale", inv_scale, device)
     tools = exact.step_tools(noop_flag, device)
     if tools is None:
         return

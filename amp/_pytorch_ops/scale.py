@@ -5,7 +5,7 @@ Only a non-finite input sets the flag; an overflow that the multiply creates doe
 """
 import torch
 
-from . import contract
+from . import contract, contract_coefficients
 from .storage import fp32_copies, flag_buffer, merge_flag, paired_views, scale_
 
 
@@ -17,7 +17,7 @@ def multi_tensor_scale(chunk_size, noop_flag, tensor_lists, scale):
     if device is None:
         return
     contract.check_outputs(op, noop_flag, device, tensor_lists, names)
-    scale = contract.fp32_scalar(op, "scale", scale, device)
+    scale = contract_coefficients.fp32_scalar(op, "scale", scale, device)
     ins, outs = paired_views(tensor_lists[0], tensor_lists[1])
     found = flag_buffer(noop_flag)
     with torch.no_grad():

@@ -5,7 +5,7 @@ float by a double); growth is stored only if that fp32 value is finite.
 """
 import torch
 
-from . import contract
+from . import contract, contract_coefficients
 
 
 def update_scale_hysteresis(current_scale, growth_tracker, hysteresis_tracker, found_inf,
@@ -31,17 +31,17 @@ def update_scale_hysteresis(current_scale, growth_tracker, hysteresis_tracker, f
                            ("growth_tracker", growth_tracker, torch.int32),
                            ("hysteresis_tracker", hysteresis_tracker, torch.int32),
                            ("found_inf", found_inf, torch.float32)):
-        contract.check_state_tensor(op, name, t, dtype, device)
+        contract_coefficients.check_state_tensor(op, name, t, dtype, device)
     growth_factor = contract.real(op, "growth_factor", growth_factor)
     backoff_factor = contract.real(op, "backoff_factor", backoff_factor)
-    growth_interval = contract.int32(op, "growth_interval", growth_interval)
-    hysteresis = contract.int32(op, "hysteresis", hysteresis)
-    min_scale = contract.scale_bound(op, "min_scale", min_scale)
-    max_scale = contract.scale_bound(op, "max_scale", max_scale)
+    growth_interval = contract_coefficients.int32(op, "growth_interval", growth_interval)
+    hysteresis = contract_coefficients.int32(op, "hysteresis", hysteresis)
+    min_scale = contract_coefficients.scale_bound(op, "min_scale", min_scale)
+    max_scale = contract_coefficients.scale_bound(op, "max_scale", max_scale)
     outputs = [(name, t) for name, t in (("inv_scale", inv_scale), ("should_skip", should_skip))
                if t is not None]
     for name, t in outputs:
-        contract.check_state_tensor(op, name, t, torch.float32, device)
+        contract_coefficients.check_state_tensor(op, name, t, torch.float32, device)
     for name, t in [("current_scale", current_scale), ("growth_tracker", growth_tracker),
                     ("hysteresis_tracker", hysteresis_tracker)] + outputs:
         contract.check_writable(op, t, name)

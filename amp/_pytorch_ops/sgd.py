@@ -1,7 +1,7 @@
 """``multi_tensor_sgd``: Apex's fused SGD step, with torch.optim.SGD's fp32 arithmetic."""
 import torch
 
-from . import contract, exact, remainder
+from . import contract, contract_coefficients, exact, remainder
 from .storage import flat
 
 _LISTS = (("grads", "weights", "momentum_bufs"),
@@ -41,7 +41,7 @@ def multi_tensor_sgd(chunk_size, noop_flag, tensor_lists, wd, momentum, dampenin
     device = contract.check_fused_tensors(op, chunk_size, noop_flag, tensor_lists, names)
     if device is None:
         return
-    scale = contract.fp32_scalar(op, "scale", scale, device)
+    scale = contract_coefficients.fp32_scalar(op, "scale", scale, device)
     wd_t, momentum_t, dc_t, neg_lr_t = (exact.fp32(v, device)
                                         for v in (wd, momentum, 1.0 - dampening, -lr))
     wd, momentum, dc = exact.host_fp32(wd), exact.host_fp32(momentum), exact.host_fp32(1.0 - dampening)
